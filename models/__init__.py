@@ -1,0 +1,1 @@
+"""The model zoo: draft architectures specpass is proven on (plain PyTorch, not installed)."""

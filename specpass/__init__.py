@@ -1,0 +1,40 @@
+"""specpass: a torch.compile backend of FX rewrites for speculative-decoding draft models.
+
+    torch.compile(draft_step, backend=specpass)                 # this module is the backend
+    torch.compile(draft_step, backend="specpass")               # entry point
+    torch.compile(draft_step, backend=specpass.backend(q_slice=False))
+    print(specpass.explain(draft_step, *args))                  # what the passes would do
+"""
+
+import sys
+import types
+
+from specpass.backend import SpecpassWarning, backend, default_backend
+from specpass.capture import CaptureError, capture
+from specpass.options import Options
+from specpass.pipeline import PASSES, RewriteResult, explain, rewrite
+from specpass.report import Finding, Report
+
+__all__ = [
+    "PASSES",
+    "CaptureError",
+    "Finding",
+    "Options",
+    "Report",
+    "RewriteResult",
+    "SpecpassWarning",
+    "backend",
+    "capture",
+    "explain",
+    "rewrite",
+]
+
+
+class _BackendModule(types.ModuleType):
+    """Lets `torch.compile(model, backend=specpass)` take the module itself."""
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        return default_backend(gm, example_inputs, **kwargs)
+
+
+sys.modules[__name__].__class__ = _BackendModule

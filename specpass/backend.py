@@ -1,0 +1,94 @@
+"""The torch.compile backend: Dynamo graph -> IR -> passes -> Inductor (or eager).
+
+Nothing here may break the user's model: a graph the IR cannot capture, a pass that fails, or
+an Inductor failure on the rewritten graph all fall back to the unrewritten graph, with a
+warning that says which and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from specpass.capture import to_aten_ir
+from specpass.options import Options
+from specpass.pipeline import run_passes
+from specpass.report import Report
+
+log = logging.getLogger("specpass")
+
+
+class SpecpassWarning(UserWarning):
+    """specpass compiled a graph without (some of) its rewrites."""
+
+
+def backend(**options: Any) -> Callable[..., Callable]:
+    """A torch.compile backend with these specpass options (see `specpass.Options`).
+
+    torch.compile's `mode=` and `options=` are forwarded to Inductor; keys of `options=` that
+    name specpass options configure specpass instead.
+    """
+    base = Options.make(**options)
+
+    def specpass_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                         options: dict[str, Any] | None = None) -> Callable:
+        inductor_options = dict(options or {})
+        ours = {k: inductor_options.pop(k) for k in list(inductor_options) if k in Options.names()}
+        opts = Options.make(**{**dataclasses.asdict(base), **ours}) if ours else base
+        handoff = _handoff(opts.handoff, mode, inductor_options)
+
+        try:
+            aten_gm = to_aten_ir(gm, example_inputs)
+        except Exception as exc:
+            _warn(f"specpass could not capture this graph ({type(exc).__name__}: {exc}); "
+                  "compiling it without rewrites")
+            return handoff(gm, example_inputs)
+
+        result = run_passes(aten_gm, opts)
+        for error in result.report.errors:
+            _warn(error)
+        log_report(result.report)
+        if not result.report.rewrites:
+            return handoff(result.graph_module, example_inputs)
+        try:
+            return handoff(result.graph_module, example_inputs)
+        except Exception as exc:
+            _warn(f"compiling the rewritten graph failed ({type(exc).__name__}: {exc}); "
+                  "compiling it without rewrites")
+            return handoff(aten_gm, example_inputs)
+
+    specpass_backend.options = base  # type: ignore[attr-defined]
+    return specpass_backend
+
+
+default_backend = backend()
+
+
+def _handoff(kind: str, mode: str | None, inductor_options: dict[str, Any]) -> Callable:
+    if kind == "eager":
+        return lambda gm, example_inputs: gm
+    # The same wrapper torch.compile(backend="inductor") uses: it validates mode/options and
+    # turns mode="reduce-overhead" into CUDA graphs.
+    return torch._TorchCompileInductorWrapper(mode, inductor_options or None, dynamic=False)
+
+
+def log_report(report: Report) -> None:
+    if os.environ.get("SPECPASS_LOG", "0") not in ("", "0") and not any(
+        getattr(h, "_specpass_stderr", False) for h in log.handlers
+    ):
+        handler = logging.StreamHandler(sys.stderr)
+        handler._specpass_stderr = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    log.info("%s", report)
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, SpecpassWarning, stacklevel=3)

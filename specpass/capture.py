@@ -1,0 +1,101 @@
+"""The canonical IR every pass sees, and how a Dynamo graph becomes it.
+
+IR: undecomposed pre-dispatch ATen, traced with `make_fx(pre_dispatch=True)` inside Dynamo's
+own fake mode, with static shapes. It keeps `aten.linear`, `aten.softmax.int`,
+`aten.scaled_dot_product_attention`, `aten.select.int`, and KV writes as in-place ops
+(`index_copy_`, `index_put_`, `copy_` into a slice) on placeholder buffers, in program order.
+Every tensor-valued node carries a fake tensor in `meta["val"]`. Placeholders are named after
+Dynamo's graph inputs (`x`, `q_proj_weight`, `k_cache`) so graphs and reports are readable.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+class CaptureError(RuntimeError):
+    """The graph cannot be brought into the IR; the backend compiles it unrewritten."""
+
+
+def to_aten_ir(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
+    """Dynamo graph (torch-level FX) -> canonical IR (see module docstring)."""
+    dynamo_inputs = list(gm.graph.find_nodes(op="placeholder"))
+    for node in dynamo_inputs:
+        if _is_symbolic(node.meta.get("example_value")):
+            raise CaptureError(
+                f"input {node.name} has dynamic shapes; specpass rewrites static graphs: "
+                "compile with dynamic=False or mark the inputs static"
+            )
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    fake_inputs = [
+        fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
+        for x in example_inputs
+    ]
+    with fake_mode:
+        aten_gm = make_fx(gm, pre_dispatch=True)(*fake_inputs)
+    aten_inputs = list(aten_gm.graph.find_nodes(op="placeholder"))
+    if len(aten_inputs) == len(dynamo_inputs):
+        for dynamo_node, aten_node in zip(dynamo_inputs, aten_inputs):
+            aten_node._rename(_input_name(dynamo_node.name))
+            aten_node.target = aten_node.name
+        aten_gm.recompile()
+    return aten_gm
+
+
+def capture(fn: Callable, *args: Any, **kwargs: Any) -> fx.GraphModule:
+    """Trace `fn(*args, **kwargs)` into the IR the backend compiles, without running it.
+
+    `fn` is a module or a function; it must compile to one graph (`fullgraph=True`).
+    Buffers it mutates (KV caches) are left untouched.
+    """
+    compiled = torch.compile(fn, backend=_stop_after_capture, fullgraph=True, dynamic=False)
+    try:
+        with torch._dynamo.config.patch(suppress_errors=False):
+            compiled(*args, **kwargs)
+    except Exception as exc:  # Dynamo wraps what the backend raises; dig ours out
+        captured = _find_cause(exc, _Captured)
+        if captured is None:
+            raise
+        return captured.graph_module
+    raise CaptureError("Dynamo did not compile a graph for this call (cached or skipped frame)")
+
+
+class _Captured(Exception):
+    def __init__(self, graph_module: fx.GraphModule):
+        super().__init__("captured")
+        self.graph_module = graph_module
+
+
+def _stop_after_capture(gm: fx.GraphModule, example_inputs: list[Any], **_: Any):
+    raise _Captured(to_aten_ir(gm, example_inputs))
+
+
+def _find_cause(exc: BaseException | None, kind: type) -> Any:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
+
+
+def _is_symbolic(value: Any) -> bool:
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
+
+
+def _input_name(dynamo_name: str) -> str:
+    # l_self_modules_layers_modules_0_modules_q_proj_parameters_weight_ -> layers_0_q_proj_weight
+    name = re.sub(r"^[lg]_", "", dynamo_name.lower()).rstrip("_")  # locals, globals
+    name = re.sub(r"^self_(modules|parameters|buffers)_", "", name)
+    name = re.sub(r"_(modules|parameters|buffers)_", "_", name)
+    return name or "input"

@@ -1,0 +1,43 @@
+"""specpass options: one validated record shared by `rewrite`, `explain` and the backend."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    # Pass switches, one per module in specpass/passes (names match PASSES in pipeline.py).
+    argmax: bool = True
+    live_rows: bool = True
+    # live_rows: also gather attention's query rows (exact with K/V read from the cache).
+    # Off keeps the gather after attention, for kernels that need as many queries as K/V rows.
+    q_slice: bool = True
+    # argmax: "exact" keeps exp(top_x - logsumexp(x)); "ones" replaces used probability
+    # values by 1 (only when the caller states the values do not matter).
+    max_probs: str = "exact"
+    # Backend only: "inductor" compiles the rewritten graph, "eager" runs it as is.
+    handoff: str = "inductor"
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def make(cls, **options: Any) -> "Options":
+        unknown = sorted(set(options) - set(cls.names()))
+        if unknown:
+            raise TypeError(
+                f"unknown specpass option(s) {unknown}; valid options are {cls.names()}"
+            )
+        for name in ("argmax", "live_rows", "q_slice"):
+            if name in options and not isinstance(options[name], bool):
+                raise ValueError(f"specpass option {name}= must be True or False, got {options[name]!r}")
+        choices = {"max_probs": ("exact", "ones"), "handoff": ("inductor", "eager")}
+        for name, allowed in choices.items():
+            if name in options and options[name] not in allowed:
+                raise ValueError(
+                    f"specpass option {name}= must be one of {list(allowed)}, got {options[name]!r}"
+                )
+        return cls(**options)

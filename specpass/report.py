@@ -1,0 +1,109 @@
+"""What the passes did to a graph, and what they left alone and why."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One rewrite that fired (`fired=True`) or one candidate left alone, with the reason."""
+
+    pass_name: str
+    where: str  # node name(s) in the graph the pass saw
+    fired: bool
+    message: str
+    rows: tuple[int, int] | None = None  # token rows computed before -> after
+    matmul_flops: tuple[int, int] | None = None  # before -> after, for the nodes involved
+
+    def __str__(self) -> str:
+        head = f"[{self.pass_name}] {'rewrote' if self.fired else 'left alone'} {self.where}: {self.message}"
+        extras = []
+        if self.rows is not None:
+            extras.append(f"rows {self.rows[0]} -> {self.rows[1]}")
+        if self.matmul_flops is not None:
+            extras.append(f"matmul FLOPs {_si(self.matmul_flops[0])} -> {_si(self.matmul_flops[1])}")
+        return head + (f" ({'; '.join(extras)})" if extras else "")
+
+
+@dataclasses.dataclass
+class Report:
+    findings: list[Finding] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)  # a pass raised or broke an invariant
+    notes: list[str] = dataclasses.field(default_factory=list)  # capture-level facts (fallbacks, no candidates)
+    matmul_flops: tuple[int, int] | None = None  # whole graph, before -> after
+
+    @property
+    def rewrites(self) -> list[Finding]:
+        return [f for f in self.findings if f.fired]
+
+    @property
+    def refusals(self) -> list[Finding]:
+        return [f for f in self.findings if not f.fired]
+
+    def of(self, pass_name: str) -> list[Finding]:
+        return [f for f in self.findings if f.pass_name == pass_name]
+
+    def __str__(self) -> str:
+        head = f"specpass: {len(self.rewrites)} rewrite(s), {len(self.refusals)} left alone"
+        if self.matmul_flops is not None:
+            before, after = self.matmul_flops
+            ratio = f", {before / after:.2f}x fewer" if after and after != before else ""
+            head += f"; graph matmul FLOPs {_si(before)} -> {_si(after)}{ratio}"
+        lines = [head]
+        lines += [f"  error: {e}" for e in self.errors]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  {f}" for f in self.findings]
+        return "\n".join(lines)
+
+
+def _si(n: int) -> str:
+    if n < 1000:
+        return str(n)
+    exp = min(int(math.log10(n) // 3), 4)
+    return f"{n / 10 ** (3 * exp):.3g}{' KMGT'[exp]}"
+
+
+def _val(x) -> torch.Tensor | None:
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def node_matmul_flops(node: fx.Node) -> int:
+    """Multiply-add FLOPs (2 per MAC) of a matmul-like node, from its meta shapes; 0 otherwise."""
+    if node.op != "call_function":
+        return 0
+    out = _val(node)
+    if out is None:
+        return 0
+    if node.target is aten.scaled_dot_product_attention.default:
+        q, k, v = (_val(a) for a in node.args[:3])
+        if q is None or k is None or v is None:
+            return 0
+        # QK^T and PV: [*, L, E] x [*, S, E] and [*, L, S] x [*, S, Ev] over q's batch dims.
+        rows = q.numel() // q.shape[-1]
+        return 2 * rows * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    first_operand = {
+        aten.linear.default: 0,
+        aten.mm.default: 0,
+        aten.bmm.default: 0,
+        aten.matmul.default: 0,
+        aten.addmm.default: 1,
+        aten.baddbmm.default: 1,
+    }.get(node.target)
+    if first_operand is None:
+        return 0
+    a = _val(node.args[first_operand])
+    if a is None:
+        return 0
+    return 2 * out.numel() * a.shape[-1]
+
+
+def graph_matmul_flops(gm: fx.GraphModule) -> int:
+    return sum(node_matmul_flops(n) for n in gm.graph.nodes)

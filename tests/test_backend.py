@@ -1,0 +1,169 @@
+"""The backend: its three spellings, option handling, logging, and every fallback path."""
+
+import logging
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import specpass
+from models.toy import ToyDraft
+from specpass import pipeline
+from specpass.graph import emit
+from specpass.report import Finding
+
+aten = torch.ops.aten
+
+
+def _toy(batch=2, T=4):
+    torch.manual_seed(0)
+    model = ToyDraft(batch=batch).eval()
+    return model, torch.randint(0, 64, (batch, T)), torch.arange(T)
+
+
+def _run(model, backend, tokens, positions, **compile_kwargs):
+    """Output and KV cache contents after one call, starting from an empty cache."""
+    model.k_cache.zero_()
+    model.v_cache.zero_()
+    fn = model if backend is None else torch.compile(model, backend=backend, **compile_kwargs)
+    with torch.no_grad():
+        out = fn(tokens, positions)
+    return out, model.k_cache.clone(), model.v_cache.clone()
+
+
+def _assert_same(a, b):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def silu_to_sigmoid(gm, options):
+    """A tiny real rewrite for plumbing tests: silu(x) -> x * sigmoid(x)."""
+    findings = []
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten.silu.default)):
+        with gm.graph.inserting_before(node):
+            sig = emit(gm.graph, aten.sigmoid.default, (node.args[0],))
+            mul = emit(gm.graph, aten.mul.Tensor, (node.args[0], sig))
+        node.replace_all_uses_with(mul)
+        findings.append(Finding("silu", node.name, True, "silu -> x * sigmoid(x)"))
+    return findings
+
+
+def broken_pass(gm, options):
+    raise RuntimeError("injected failure")
+
+
+@pytest.mark.parametrize("handoff", ["eager", "inductor"])
+@pytest.mark.parametrize("form", ["module", "entry_point", "factory"])
+def test_backend_forms_match_eager(form, handoff):
+    model, tokens, positions = _toy()
+    backend = {"module": specpass, "entry_point": "specpass", "factory": specpass.backend(handoff=handoff)}[form]
+    options = {"handoff": handoff} if form != "factory" else None
+    expected = _run(model, None, tokens, positions)
+    _assert_same(_run(model, backend, tokens, positions, options=options), expected)
+
+
+def test_reduce_overhead_mode_is_forwarded():
+    model, tokens, positions = _toy()
+    expected = _run(model, None, tokens, positions)
+    _assert_same(_run(model, specpass, tokens, positions, mode="reduce-overhead"), expected)
+
+
+def test_inductor_options_are_forwarded_and_validated():
+    model, tokens, positions = _toy()
+    with pytest.raises(Exception, match="not_an_inductor_option"):
+        _run(model, specpass, tokens, positions, options={"not_an_inductor_option": 1})
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(TypeError, match=r"unknown specpass option\(s\) \['qslice'\].*q_slice"):
+        specpass.backend(qslice=False)
+    with pytest.raises(TypeError, match="live_rows"):
+        specpass.rewrite(specpass.capture(*_toy()), livE_rows=False)
+
+
+def test_bad_option_values():
+    with pytest.raises(ValueError, match="handoff= must be one of"):
+        specpass.backend(handoff="tvm")
+    with pytest.raises(ValueError, match="max_probs= must be one of"):
+        specpass.backend(max_probs="approx")
+    with pytest.raises(ValueError, match="q_slice= must be True or False"):
+        specpass.backend(q_slice="no")
+
+
+def test_entry_point_is_registered():
+    from importlib.metadata import entry_points
+
+    (ep,) = [ep for ep in entry_points(group="torch_dynamo_backends") if ep.name == "specpass"]
+    assert ep.load() is specpass.default_backend
+
+
+def test_pass_failure_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(pipeline, "PASSES", [("live_rows", broken_pass)])
+    model, tokens, positions = _toy()
+    expected = _run(model, None, tokens, positions)
+    with pytest.warns(specpass.SpecpassWarning, match="pass live_rows failed .*injected failure") as record:
+        got = _run(model, specpass.backend(handoff="eager"), tokens, positions)
+    assert len([w for w in record if issubclass(w.category, specpass.SpecpassWarning)]) == 1
+    _assert_same(got, expected)
+
+
+def test_pass_switched_off_by_name(monkeypatch):
+    monkeypatch.setattr(pipeline, "PASSES", [("live_rows", broken_pass)])
+    model, tokens, positions = _toy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", specpass.SpecpassWarning)
+        _run(model, specpass.backend(handoff="eager", live_rows=False), tokens, positions)
+
+
+def test_inductor_failure_on_rewritten_graph_falls_back(monkeypatch):
+    monkeypatch.setattr(pipeline, "PASSES", [("live_rows", silu_to_sigmoid)])
+    compiled = []
+
+    class FlakyInductor:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, gm, example_inputs):
+            compiled.append(gm)
+            if any(n.target is aten.sigmoid.default for n in gm.graph.nodes):
+                raise RuntimeError("codegen failed")
+            return gm
+
+    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", FlakyInductor)
+    model, tokens, positions = _toy()
+    expected = _run(model, None, tokens, positions)
+    with pytest.warns(specpass.SpecpassWarning, match="compiling the rewritten graph failed"):
+        got = _run(model, specpass, tokens, positions)
+    _assert_same(got, expected)
+    assert len(compiled) == 2 and any(n.target is aten.silu.default for n in compiled[1].graph.nodes)
+
+
+def test_dynamic_shapes_fall_back_to_plain_compile():
+    model, tokens, positions = _toy()
+    with pytest.warns(specpass.SpecpassWarning, match="dynamic shapes"):
+        _run(model, specpass.backend(handoff="eager"), tokens, positions, dynamic=True)
+
+
+def test_report_is_logged(monkeypatch, caplog):
+    monkeypatch.setattr(pipeline, "PASSES", [("live_rows", silu_to_sigmoid)])
+    model, tokens, positions = _toy()
+    with caplog.at_level(logging.INFO, logger="specpass"):
+        _run(model, specpass.backend(handoff="eager"), tokens, positions)
+    assert "[silu] rewrote silu: silu -> x * sigmoid(x)" in caplog.text
+
+
+def test_specpass_log_prints_report_to_stderr():
+    code = (
+        "import torch, specpass\n"
+        "from models.toy import ToyDraft\n"
+        "m = ToyDraft().eval()\n"
+        "with torch.no_grad():\n"
+        "    torch.compile(m, backend=specpass.backend(handoff='eager'))(torch.zeros(2, 3, dtype=torch.long), torch.arange(3))\n"
+    )
+    env = {"SPECPASS_LOG": "1", "PATH": ""}
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=repo, check=True)
+    assert "specpass:" in done.stderr and "graph matmul FLOPs" in done.stderr

@@ -1,0 +1,134 @@
+"""The canonical IR: what capture keeps, what it never does (run the model), HF interop."""
+
+import expecttest
+import torch
+import torch.nn.functional as F
+
+import specpass
+from models.toy import ToyDraft
+from specpass.testing import graph_str
+
+aten = torch.ops.aten
+
+
+def _toy(batch=2, T=4):
+    torch.manual_seed(0)
+    model = ToyDraft(batch=batch).eval()
+    tokens = torch.randint(0, 64, (batch, T))
+    return model, tokens, torch.arange(T)
+
+
+def _targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+class TestCapture(expecttest.TestCase):
+    def test_toy_ir_is_undecomposed_aten(self):
+        model, tokens, positions = _toy()
+        with torch.no_grad():
+            gm = specpass.capture(model, tokens, positions)
+        self.assertExpectedInline(graph_str(gm), """\
+tokens: i64[2, 4]
+embed_weight: f32[64, 32]
+attn_norm_weight: f32[32]
+qkv_weight: f32[96, 32]
+k_cache: f32[2, 4, 16, 8]
+positions: i64[4]
+v_cache: f32[2, 4, 16, 8]
+o_proj_weight: f32[32, 32]
+mlp_norm_weight: f32[32]
+up_weight: f32[64, 32]
+down_weight: f32[32, 64]
+norm_weight: f32[32]
+lm_head_weight: f32[64, 32]
+embedding: f32[2, 4, 32] = embedding(embed_weight, tokens)
+rms_norm: f32[2, 4, 32] = rms_norm(embedding, [32], attn_norm_weight, 1e-06)
+linear: f32[2, 4, 96] = linear(rms_norm, qkv_weight)
+view: f32[2, 4, 3, 4, 8] = view(linear, [2, 4, 3, 4, 8])
+transpose: f32[2, 4, 3, 4, 8] = transpose.int(view, 1, 3)
+unbind: (f32[2, 4, 4, 8], f32[2, 4, 4, 8], f32[2, 4, 4, 8]) = unbind.int(transpose, 2)
+getitem: f32[2, 4, 4, 8] = getitem(unbind, 0)
+getitem_1: f32[2, 4, 4, 8] = getitem(unbind, 1)
+getitem_2: f32[2, 4, 4, 8] = getitem(unbind, 2)
+index_copy_: f32[2, 4, 16, 8] = index_copy_(k_cache, 2, positions, getitem_1)
+index_copy__1: f32[2, 4, 16, 8] = index_copy_(v_cache, 2, positions, getitem_2)
+arange: i64[16] = arange(16, device=cpu, pin_memory=False)
+unsqueeze: i64[1, 16] = unsqueeze(arange, 0)
+unsqueeze_1: i64[4, 1] = unsqueeze(positions, 1)
+le: b8[4, 16] = le.Tensor(unsqueeze, unsqueeze_1)
+scaled_dot_product_attention: f32[2, 4, 4, 8] = scaled_dot_product_attention(getitem, index_copy_, index_copy__1, le)
+transpose_1: f32[2, 4, 4, 8] = transpose.int(scaled_dot_product_attention, 1, 2)
+reshape: f32[2, 4, 32] = reshape(transpose_1, [2, 4, -1])
+linear_1: f32[2, 4, 32] = linear(reshape, o_proj_weight)
+add: f32[2, 4, 32] = add.Tensor(embedding, linear_1)
+rms_norm_1: f32[2, 4, 32] = rms_norm(add, [32], mlp_norm_weight, 1e-06)
+linear_2: f32[2, 4, 64] = linear(rms_norm_1, up_weight)
+silu: f32[2, 4, 64] = silu(linear_2)
+linear_3: f32[2, 4, 32] = linear(silu, down_weight)
+add_1: f32[2, 4, 32] = add.Tensor(add, linear_3)
+rms_norm_2: f32[2, 4, 32] = rms_norm(add_1, [32], norm_weight, 1e-06)
+linear_4: f32[2, 4, 64] = linear(rms_norm_2, lm_head_weight)
+select: f32[2, 64] = select.int(linear_4, 1, -1)
+return (select,)""")
+
+    def test_every_tensor_node_has_a_fake_value(self):
+        model, tokens, positions = _toy()
+        gm = specpass.capture(model, tokens, positions)
+        for node in gm.graph.nodes:
+            if node.op in ("placeholder", "call_function"):
+                self.assertIn("val", node.meta, node.name)
+
+    def test_capture_does_not_run_the_model(self):
+        model, tokens, positions = _toy()
+        specpass.capture(model, tokens, positions)
+        self.assertEqual(model.k_cache.abs().sum().item(), 0.0)
+
+    def test_kv_write_spellings_stay_in_place(self):
+        cache = torch.zeros(2, 8, 4)
+
+        def step(x, pos, rows):
+            cache[:, 1:3] = x  # slice assignment
+            cache[rows, pos] = x[:, 0]  # advanced-index assignment
+            return torch.softmax(cache.sum(1), -1)
+
+        gm = specpass.capture(step, torch.randn(2, 2, 4), torch.tensor([1, 3]), torch.tensor([0, 1]))
+        targets = _targets(gm)
+        self.assertIn(aten.index_put_.default, targets)
+        copy = next(n for n in gm.graph.nodes if n.target is aten.copy_.default)
+        self.assertIs(copy.args[0].target, aten.slice.Tensor)  # a write into a view of the cache
+        self.assertEqual(copy.args[0].args[0].name, "cache")
+        self.assertIn(aten.softmax.int, targets)
+
+    def test_unsupported_graph_needs_one_graph(self):
+        def with_break(x):
+            y = x * 2
+            torch._dynamo.graph_break()
+            return y + 1
+
+        with self.assertRaises(Exception):
+            specpass.capture(with_break, torch.randn(3))
+
+
+class TestHuggingFaceCapture(expecttest.TestCase):
+    def test_llama_static_cache(self):
+        from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        cache = StaticCache(config=config, max_cache_len=16)
+        cache.early_initialization(batch_size=2, num_heads=2, head_dim=8, dtype=torch.float32,
+                                   device=torch.device("cpu"))
+
+        def step(ids, cache_position):
+            out = model(input_ids=ids, past_key_values=cache, cache_position=cache_position, use_cache=True)
+            return out.logits[:, -1]
+
+        with torch.no_grad():
+            gm = specpass.capture(step, torch.randint(0, 64, (2, 5)), torch.arange(5))
+        targets = _targets(gm)
+        self.assertEqual(targets.count(aten.index_copy_.default), 4)  # K and V, two layers
+        self.assertEqual(targets.count(aten.scaled_dot_product_attention.default), 2)
+        self.assertIn(aten.linear.default, targets)
+        self.assertEqual(gm.graph.output_node().args[0][0].target, aten.select.int)

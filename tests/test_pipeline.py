@@ -1,0 +1,116 @@
+"""rewrite/explain plumbing: copies, switches, invariants the pipeline enforces, the report."""
+
+import expecttest
+import torch
+
+import specpass
+from models.toy import ToyDraft
+from specpass import pipeline
+from specpass.graph import emit
+from specpass.report import Finding, Report, graph_matmul_flops
+from specpass.testing import graph_str
+from tests.test_backend import broken_pass, silu_to_sigmoid
+
+aten = torch.ops.aten
+
+
+def _captured(batch=2, T=4):
+    torch.manual_seed(0)
+    return specpass.capture(ToyDraft(batch=batch).eval(), torch.randint(0, 64, (batch, T)), torch.arange(T))
+
+
+def shrink_output(gm, options):
+    """Breaks the output-shape invariant: returns a narrower tensor."""
+    out = gm.graph.output_node()
+    (result,) = out.args[0]
+    with gm.graph.inserting_before(out):
+        narrowed = emit(gm.graph, aten.slice.Tensor, (result, 1, 0, 1))
+    out.args = ((narrowed,),)
+    return [Finding("shrink", result.name, True, "bad")]
+
+
+def drop_kv_write(gm, options):
+    """Breaks the in-place-write invariant: replaces the first KV write by its input."""
+    write = next(n for n in gm.graph.nodes if n.target is aten.index_copy_.default)
+    write.replace_all_uses_with(write.args[0])
+    gm.graph.erase_node(write)
+    return [Finding("drop", write.name, True, "bad")]
+
+
+class TestPipeline(expecttest.TestCase):
+    def setUp(self):
+        self._passes = pipeline.PASSES
+
+    def tearDown(self):
+        pipeline.PASSES = self._passes
+
+    def test_rewrite_returns_a_new_graph_and_leaves_the_input_alone(self):
+        pipeline.PASSES = [("live_rows", silu_to_sigmoid)]
+        gm = _captured()
+        before = graph_str(gm)
+        result = specpass.rewrite(gm)
+        self.assertEqual(graph_str(gm), before)
+        self.assertIsNot(result.graph_module, gm)
+        targets = [n.target for n in result.graph_module.graph.nodes]
+        self.assertNotIn(aten.silu.default, targets)
+        self.assertIn(aten.sigmoid.default, targets)
+        self.assertEqual([f.where for f in result.report.rewrites], ["silu"])
+
+    def test_passes_switch_off_by_name(self):
+        pipeline.PASSES = [("live_rows", silu_to_sigmoid), ("argmax", broken_pass)]
+        result = specpass.rewrite(_captured(), live_rows=False, argmax=False)
+        self.assertEqual(result.report.findings, [])
+        self.assertEqual(result.report.errors, [])
+        self.assertIn(aten.silu.default, [n.target for n in result.graph_module.graph.nodes])
+
+    def test_failed_pass_keeps_earlier_rewrites(self):
+        pipeline.PASSES = [("argmax", silu_to_sigmoid), ("live_rows", broken_pass)]
+        result = specpass.rewrite(_captured())
+        self.assertEqual(len(result.report.rewrites), 1)
+        self.assertEqual(len(result.report.errors), 1)
+        self.assertIn("pass live_rows failed (RuntimeError: injected failure)", result.report.errors[0])
+
+    def test_invariants_reject_a_pass(self):
+        for bad, message in [(shrink_output, "outputs changed"), (drop_kv_write, "in-place writes changed")]:
+            pipeline.PASSES = [("live_rows", bad)]
+            gm = _captured()
+            result = specpass.rewrite(gm)
+            self.assertEqual(result.report.findings, [])
+            self.assertIn(message, result.report.errors[0])
+            self.assertEqual(graph_str(result.graph_module), graph_str(gm))
+
+    def test_created_nodes_carry_true_fake_values(self):
+        pipeline.PASSES = [("live_rows", silu_to_sigmoid)]
+        result = specpass.rewrite(_captured())
+        for node in result.graph_module.graph.nodes:
+            if node.op == "call_function":
+                self.assertIsInstance(node.meta["val"], (torch.Tensor, tuple, list), node.name)
+            if node.target in (aten.sigmoid.default, aten.mul.Tensor):
+                self.assertEqual(tuple(node.meta["val"].shape), (2, 4, 64))
+
+    def test_matmul_flops_from_shapes(self):
+        gm = _captured(batch=2, T=4)
+        rows, H, V, nh, hd, S = 2 * 4, 32, 64, 4, 8, 16
+        linears = rows * (H * 3 * H + H * H + H * 2 * H + 2 * H * H + H * V)
+        one_attention_matmul = 2 * nh * 4 * S * hd  # per request: [nh, T, hd] x [nh, S, hd]
+        self.assertEqual(graph_matmul_flops(gm), 2 * linears + 2 * 2 * one_attention_matmul)  # QK^T, PV; B=2
+
+    def test_report_text(self):
+        pipeline.PASSES = [("live_rows", silu_to_sigmoid)]
+        report = specpass.rewrite(_captured()).report
+        report.findings.append(Finding("live_rows", "select", False, "index depends on the rows it selects"))
+        report.findings.append(Finding("live_rows", "select_1", True, "gather moved", rows=(8, 2),
+                                       matmul_flops=(1_200_000, 300_000)))
+        self.assertExpectedInline(str(report), """\
+specpass: 2 rewrite(s), 1 left alone; graph matmul FLOPs 180K -> 180K
+  [silu] rewrote silu: silu -> x * sigmoid(x)
+  [live_rows] left alone select: index depends on the rows it selects
+  [live_rows] rewrote select_1: gather moved (rows 8 -> 2; matmul FLOPs 1.2M -> 300K)""")
+
+    def test_explain_without_passes_reports_nothing_fired(self):
+        pipeline.PASSES = []
+        torch.manual_seed(0)
+        report = specpass.explain(ToyDraft().eval(), torch.randint(0, 64, (2, 4)), torch.arange(4))
+        self.assertIsInstance(report, Report)
+        self.assertEqual(report.rewrites, [])
+        self.assertTrue(str(report).startswith("specpass: 0 rewrite(s)"))
