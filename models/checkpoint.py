@@ -1,0 +1,241 @@
+"""Hugging Face-format checkpoint folders: `config.json` + `model.safetensors`.
+
+    save(model, model.config, "ckpt/")              # or save(state_dict, config, dir)
+    model = load(Llama, "ckpt/", device="cuda", dtype=torch.bfloat16)
+    head = load(Eagle3Head, "head/", shared={"embed_tokens.weight": target.model.embed_tokens.weight})
+
+Loading is strict and all-or-nothing: every problem (missing file, missing or unexpected key,
+wrong shape, wrong dtype) is collected and raised in one `CheckpointError` before any tensor
+reaches the model; the model is built on the meta device, so nothing is allocated for it
+until the file has been checked. Tied weights (lm_head = embed_tokens) are stored once, as
+Hugging Face does. Keys a model lists in `checkpoint_excludes` (the EAGLE-3 head's embedding,
+which public EAGLE-3 checkpoints take from the target) are never saved and must be passed to
+`load` as `shared=` tensors, which the model then uses by reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # sharded folders written by save_pretrained
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder does not match the model it is loaded into."""
+
+
+@dataclasses.dataclass
+class ConfigBase:
+    """A model config that is also a Hugging Face-style `config.json` (field names are HF's)."""
+
+    model_type: ClassVar[str] = ""
+
+    def architectures(self) -> list[str]:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"architectures": self.architectures(), "model_type": self.model_type, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        """Known fields are read, others (HF bookkeeping) ignored; required fields must be there."""
+        fields = dataclasses.fields(cls)
+        required = [f.name for f in fields
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in d]
+        if missing:
+            raise CheckpointError(f"{CONFIG_FILE} lacks {missing}, required by {cls.__name__}")
+        return cls(**{f.name: d[f.name] for f in fields if f.name in d})
+
+
+def checkpoint_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors a checkpoint of `model` holds, {tied alias: the key it is stored under})."""
+    state = model.state_dict(keep_vars=True)  # persistent buffers only: caches never land here
+    excludes = set(getattr(model, "checkpoint_excludes", ()))
+    tensors, aliases, first = {}, {}, {}
+    for name, tensor in state.items():
+        if name in excludes:
+            continue
+        if id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+            continue
+        first[id(tensor)] = name
+        tensors[name] = tensor
+    return tensors, aliases
+
+
+def save(model_or_state: nn.Module | dict[str, torch.Tensor], config: ConfigBase, directory: str | Path) -> Path:
+    """Write `config.json` and `model.safetensors` into `directory` (created if needed)."""
+    if isinstance(model_or_state, nn.Module):
+        tensors, _ = checkpoint_tensors(model_or_state)
+    else:
+        tensors = dict(model_or_state)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    floating = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(floating) > 1:
+        raise CheckpointError(f"mixed floating dtypes {sorted(map(str, floating))}; cast the model to one dtype first")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = config.to_dict()
+    if floating:
+        meta["dtype"] = str(floating.pop()).removeprefix("torch.")
+    (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    return directory
+
+
+def read_config(cls, directory: str | Path) -> tuple[ConfigBase, dict[str, Any]]:
+    directory = Path(directory)
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} not found: a checkpoint folder holds {CONFIG_FILE} and {WEIGHTS_FILE}; "
+            "write one with models.checkpoint.save(model, config, dir) or models.zoo.make_checkpoint(name, dir)")
+    raw = json.loads(path.read_text())
+    expected = getattr(cls, "architectures", None)
+    found = raw.get("architectures")
+    if expected and found and not set(found) & set(expected):
+        raise CheckpointError(f"{path} describes {found}, not a checkpoint {cls.__name__} loads ({expected})")
+    return cls.config_class.from_dict(raw), raw
+
+
+def load(cls, directory: str | Path, device=None, dtype: torch.dtype | None = None,
+         shared: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Build `cls(config)` from the folder's config.json and fill it from its safetensors.
+
+    `cls` is a model class (or factory) with a `config_class` attribute. `dtype` casts floating
+    tensors after they are checked against the dtype config.json declares. `shared` supplies
+    the keys the model leaves out of its checkpoints (`checkpoint_excludes`), used by reference
+    when device and dtype already match.
+    """
+    directory = Path(directory)
+    config, raw = read_config(cls, directory)
+    with torch.device("meta"):
+        model = cls(config)
+    expected, aliases = checkpoint_tensors(model)
+    declared = raw.get("dtype") or raw.get("torch_dtype")
+    declared_dtype = _DTYPES.get(declared) if isinstance(declared, str) else None
+    shared = dict(shared or {})
+
+    excludes = list(getattr(model, "checkpoint_excludes", ()))
+    problems = []
+    unknown_shared = sorted(set(shared) - set(excludes))
+    if unknown_shared:
+        problems.append(f"shared= names {unknown_shared}, which {cls.__name__} does not take from outside "
+                        f"(it takes {excludes})")
+
+    files = _weight_files(directory)
+    in_file: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                in_file[name] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype()))
+
+    # name -> (where it comes from, shape, dtype); shared= wins over a copy some exporters write
+    sources = {name: ("file", *in_file[name]) for name in expected if name in in_file}
+    reference = dict(expected)
+    for name in excludes:
+        reference[name] = model.get_parameter(name) if _is_param(model, name) else model.get_buffer(name)
+        if name in shared:
+            sources[name] = ("shared", tuple(shared[name].shape), shared[name].dtype)
+        elif name in in_file:
+            sources[name] = ("file", *in_file[name])
+        else:
+            problems.append(f"{name} is not in {cls.__name__} checkpoints (it is the target model's): "
+                            f"pass it as load(..., shared={{{name!r}: <target tensor>}})")
+    missing = [name for name in expected if name not in in_file]
+    unexpected = [name for name in in_file if name not in reference]
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
+    wrong_shape, wrong_dtype = [], []
+    for name, (origin, shape, found_dtype) in sources.items():
+        want = reference[name]
+        if shape != tuple(want.shape):
+            wrong_shape.append(f"{name}: expected {list(want.shape)}, found {list(shape)} ({origin})")
+        if origin == "shared" and want.is_floating_point():
+            continue  # a shared float tensor is cast to the model's dtype below
+        floating = want.is_floating_point() and declared_dtype is not None
+        want_dtype = declared_dtype if floating else want.dtype
+        if found_dtype != want_dtype:
+            why = f" ({CONFIG_FILE} declares {declared})" if floating else ""
+            wrong_dtype.append(f"{name}: expected {_name(want_dtype)}{why}, found {_name(found_dtype)}")
+    if wrong_shape:
+        problems.append(f"wrong shapes ({len(wrong_shape)}): " + "; ".join(wrong_shape))
+    if wrong_dtype:
+        problems.append(f"wrong dtypes ({len(wrong_dtype)}): " + "; ".join(wrong_dtype))
+    if problems:
+        raise CheckpointError(f"cannot load {directory} into {cls.__name__}:\n  " + "\n  ".join(problems))
+
+    # Checked: now read, cast and place. Nothing above touched the model's tensors.
+    device = torch.device("cpu") if device is None else torch.device(device)
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if sources[name][0] == "file":
+                    state[name] = _cast(f.get_tensor(name), device, dtype)
+    for name, tensor in shared.items():
+        state[name] = _cast(tensor.detach(), device, dtype if dtype is not None else declared_dtype)
+    for alias, source in aliases.items():
+        state[alias] = state[source]
+    model.load_state_dict(state, strict=True, assign=True)
+    retie(model, aliases)  # assign=True made two Parameters
+    return model.eval()
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    single, index = directory / WEIGHTS_FILE, directory / INDEX_FILE
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        absent = [s for s in shards if not (directory / s).is_file()]
+        if absent:
+            raise CheckpointError(f"{index} names shard files that are not there: {absent}")
+        return [directory / s for s in shards]
+    raise CheckpointError(
+        f"{single} not found (nor a sharded {INDEX_FILE}): a checkpoint folder holds {CONFIG_FILE} and "
+        f"{WEIGHTS_FILE}; write one with models.checkpoint.save(model, config, dir) or "
+        "models.zoo.make_checkpoint(name, dir)")
+
+
+def _cast(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    if dtype is not None and t.is_floating_point():
+        return t.to(device=device, dtype=dtype)
+    return t.to(device=device)
+
+
+def _is_param(model: nn.Module, name: str) -> bool:
+    return name in dict(model.named_parameters(remove_duplicate=False))
+
+
+def retie(model: nn.Module, aliases: dict[str, str]) -> None:
+    """Make each alias the very Parameter it is tied to again (after to_empty or an assign-load)."""
+    for alias, source in aliases.items():
+        owner, _, leaf = alias.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(source))
+
+
+def _st_dtype(name: str) -> torch.dtype:
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+            "BOOL": torch.bool}[name]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
