@@ -25,14 +25,18 @@ def fake_mode(graph: fx.Graph) -> FakeTensorMode:
     raise RuntimeError("graph has no fake placeholders; capture it with specpass.capture")
 
 
-def emit(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+def emit(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, name: str | None = None) -> fx.Node:
     """Insert `target(*args, **kwargs)` at the graph's insert point, with its meta["val"]."""
-    kwargs = kwargs or {}
-    node = graph.call_function(target, args, kwargs)
-    fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), val)
-    with fake_mode(graph):
-        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    node = graph.call_function(target, args, kwargs or {}, name=name)
+    set_val(node)
     return node
+
+
+def set_val(node: fx.Node) -> None:
+    """Compute a call_function node's meta["val"] from its arguments' fake values."""
+    fake_args, fake_kwargs = fx.node.map_arg((node.args, node.kwargs), val)
+    with fake_mode(node.graph):
+        node.meta["val"] = node.target(*fake_args, **fake_kwargs)
 
 
 def is_mutation(node: fx.Node) -> bool:
@@ -46,3 +50,13 @@ def is_mutation(node: fx.Node) -> bool:
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
     return [a for a in tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
+
+
+def is_impure(node: fx.Node) -> bool:
+    """FX's purity, except that attention without dropout is pure (its `nondeterministic_seeded`
+    tag is about dropout), so a replaced attention is removed as dead code."""
+    if node.op == "call_function" and node.target is aten.scaled_dot_product_attention.default:
+        dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        if dropout == 0.0:
+            return False
+    return node.is_impure()

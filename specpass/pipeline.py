@@ -19,14 +19,18 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from specpass.capture import capture
-from specpass.graph import is_mutation
+from specpass.graph import is_impure, is_mutation
 from specpass.options import Options
+from specpass.passes import argmax, live_rows
 from specpass.report import Finding, Report, graph_matmul_flops
 
 Pass = Callable[[fx.GraphModule, Options], list[Finding]]
 
 # Fixed order; each name is also the Options switch that turns the pass off.
-PASSES: list[tuple[str, Pass]] = []
+PASSES: list[tuple[str, Pass]] = [
+    ("argmax", argmax.run),
+    ("live_rows", live_rows.run),
+]
 
 
 @dataclasses.dataclass
@@ -74,7 +78,7 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _clean(gm: fx.GraphModule) -> None:
-    gm.graph.eliminate_dead_code()  # in-place ops are impure: KV writes survive
+    gm.graph.eliminate_dead_code(is_impure)  # in-place ops are impure: KV writes survive
     gm.graph.lint()
     gm.recompile()
     propagate_fake_tensors(gm)

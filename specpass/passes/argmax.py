@@ -1,0 +1,457 @@
+"""Arg-max: a max / topk / argmax of a softmax only needs the order of the softmax's input.
+
+IR (capture.py): undecomposed pre-dispatch ATen. The pass looks for
+
+    p = softmax.int(s, d, dtype?) | _softmax(s, d, half_to_float) | special_softmax(s, d, dtype?)
+        (or the log_softmax spellings)
+    p' = p, through value-identity ops and float casts (to.dtype, _to_copy, detach, clone, ...)
+    max.dim(p', d) -> getitem 0/1 | topk(p', k, d) -> getitem 0/1 | argmax(p', d) | amax(p', [d]) | max(p')
+
+where the consumer reduces along the softmax's axis `d` (any spelling: -1 and ndim-1 are the
+same axis; a full reduction counts when every other axis has size 1). `s` may itself be
+`x` through float casts and multiplication / division by positive Python numbers (the
+temperature); a temperature that is a tensor, or a number that is not positive and finite, is
+refused, as is anything else this pass cannot prove.
+
+Rewrite rule, with `s_in` the tensor softmax actually consumed (`s`, cast to `dtype=` if given):
+
+    indices = argmax(s_in, <consumer's dim, keepdim>)       k = 1   (max.dim, argmax, topk(1))
+            = topk(s_in, k, d, sorted).indices              k > 1
+    values  = exp(top - m) / z, with m = amax(s_c, d), z = sum(exp(s_c - m), d)      softmax
+            = (top - m) - log(z)                                                  log_softmax
+      for k = 1 the top element is m itself (exp(m - m) / z: 1 / z, or NaN for a row with no
+      finite max, as softmax gives); s_c = s_in upcast to f32 if it is f16/bf16 (what softmax
+      kernels accumulate in); the result is cast to the dtype the original produced and through
+      its casts after p, so it rounds where the original rounded.
+    max_probs="ones": values = (indices >= 0).to(dtype), all ones, fused into the argmax kernel.
+
+Values are computed only where they have users, so an indices-only consumer is one argmax.
+`amax, sub, exp, sum(keepdim=True)` over one axis is the pattern Inductor's post-grad pass
+turns into a single online-softmax reduction (prepare_softmax_online) on GPU, which fuses
+with the argmax over the same input. Few rows over a long last axis are cut into chunks
+(CHUNK_ROWS below): stage 1 reduces each chunk (max, sum, argmax; one kernel), stage 2 combines
+the chunks per row: m = max(m_c), z = sum(z_c * exp(m_c - m)), index = w * chunk + i_c[w] with
+w the first chunk holding m, so the index is the first position of the max, as argmax's.
+
+Ties: the original picks among the probabilities, where rounding inside softmax can merge
+distinct inputs into one value (e.g. exp(-1e-8) == 1.0 in fp32); it then returns the first of
+the merged positions. The rewrite returns the position of the largest input, the first one
+among exactly equal inputs (argmax's documented rule). docs/passes.md has the details.
+
+New nodes are inserted right after the softmax, so they read `s` at the same program point
+the softmax did (a later in-place write to `s` cannot leak in). The softmax, the consumer and
+its getitems are left for the pipeline's dead-code elimination; a softmax with other users
+stays for them.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from specpass.graph import emit, val
+from specpass.options import Options
+from specpass.report import Finding
+
+aten = torch.ops.aten
+NAME = "argmax"
+
+# target -> is_log; all take (self, dim, ...) first.
+_SOFTMAX = {
+    aten.softmax.int: False,
+    aten._softmax.default: False,
+    aten.special_softmax.default: False,
+    aten.log_softmax.int: True,
+    aten._log_softmax.default: True,
+    aten.special_log_softmax.default: True,
+}
+# Ops whose output equals their first input's values (up to a float cast).
+_CASTS = {
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default,
+    aten.type_as.default,
+}
+_IDENTITIES = {aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default}
+_MAX_LIKE = {aten.max.dim, aten.max.default, aten.amax.default, aten.argmax.default}
+_SCALE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode}
+# Reductions of a softmax that are recognised but not rewritten: the smallest probabilities
+# underflow to ties at 0, so the input's order does not reproduce the original's choice.
+_SMALLEST = {aten.min.dim, aten.min.default, aten.amin.default, aten.argmin.default,
+             aten.kthvalue.default}
+_HALF = (torch.float16, torch.bfloat16)
+
+# Few rows over a long axis: Inductor never splits an arg-reduction (one block per row, so
+# bs=1 reads a 150K vocabulary with one SM), and it splits any other reduction of fewer than
+# 2 x SMs rows longer than 8192 (Hopper), which turns its one-pass online softmax off. So when
+# the rows are fewer than CHUNK_ROWS, the softmax axis is cut into chunks of >= CHUNK_MIN
+# (a multiple of CHUNK_ALIGN): one kernel computes each chunk's max, arg-max and sum(exp),
+# a second, tiny one combines the chunks. Values-only or exact: from 2 chunks; indices only:
+# from 4 (a plain argmax is as fast below that; measured on H100, docs/passes.md).
+CHUNK_ROWS, CHUNK_MIN, CHUNK_ALIGN = 512, 2048, 128
+
+
+class _Refuse(Exception):
+    pass
+
+
+def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
+    findings: list[Finding] = []
+    for sm in list(gm.graph.nodes):
+        if sm.op == "call_function" and sm.target in _SOFTMAX:
+            findings += _rewrite_softmax(gm.graph, sm, options)
+    return findings
+
+
+def _rewrite_softmax(graph: fx.Graph, sm: fx.Node, options: Options) -> list[Finding]:
+    consumers = _consumers(sm)
+    if not consumers:
+        return []
+    try:
+        soft = _Softmax(graph, sm)
+    except _Refuse as why:
+        return [Finding(NAME, f"{sm.name} -> {c.name}", False, str(why)) for c, _, _ in consumers]
+
+    found: dict[fx.Node, Finding] = {}
+    accepted = []
+    for consumer, casts, path in consumers:
+        try:
+            if any(_written_in_place(n) for n in path):
+                raise _Refuse(f"a copy of the softmax output between it and {consumer.name} is written in place")
+            soft.check(consumer)
+            values_out, _ = _outputs(consumer)
+        except _Refuse as why:
+            found[consumer] = Finding(NAME, f"{sm.name} -> {consumer.name}", False, str(why))
+            continue
+        accepted.append((consumer, casts, bool(values_out)))
+    soft.plan(values=options.max_probs == "exact" and any(v for _, _, v in accepted))
+    with graph.inserting_before(sm.next):  # new nodes read s where the softmax read it
+        for consumer, casts, _ in accepted:
+            message = soft.rewrite(consumer, casts, options)
+            found[consumer] = Finding(NAME, f"{sm.name} -> {consumer.name}", True, message)
+    return [found[c] for c, _, _ in consumers]
+
+
+def _consumers(sm: fx.Node) -> list[tuple[fx.Node, list[torch.dtype], list[fx.Node]]]:
+    """Max-like users of `sm`, directly or through float casts / identities on the same device:
+    (consumer, the dtypes of those casts, the nodes between sm and the consumer)."""
+    out, stack = [], [(sm, [], [])]
+    while stack:
+        node, casts, path = stack.pop()
+        for user in node.users:
+            if user.op != "call_function" or user.args[0] is not node:
+                continue
+            if user.target in _CASTS or user.target in _IDENTITIES:
+                a, b = val(node), val(user)
+                if (isinstance(b, torch.Tensor) and b.is_floating_point() and b.shape == a.shape
+                        and b.device == a.device):
+                    stack.append((user, casts + [b.dtype], path + [user]))
+            elif user.target in _MAX_LIKE or user.target in _SMALLEST or user.target is aten.topk.default:
+                out.append((user, casts, path))
+    return sorted(out, key=lambda c: _position(c[0]))
+
+
+def _position(node: fx.Node) -> int:
+    return next(i for i, n in enumerate(node.graph.nodes) if n is node)
+
+
+def bind(node: fx.Node) -> dict[str, Any]:
+    """The node's arguments by schema name, defaults filled in."""
+    bound = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+        else:
+            bound[arg.name] = None
+    return bound
+
+
+class _Softmax:
+    """One softmax: what it consumed, in which dtype, and the reductions over it, shared by its consumers."""
+
+    def __init__(self, graph: fx.Graph, sm: fx.Node):
+        self.graph, self.sm, self.is_log = graph, sm, _SOFTMAX[sm.target]
+        args = bind(sm)
+        s, out = args["self"], val(sm)
+        if not isinstance(s, fx.Node) or not isinstance(val(s), torch.Tensor):
+            raise _Refuse("the softmax input is not a tensor node")
+        if not out.is_floating_point() or not val(s).is_floating_point():
+            raise _Refuse(f"softmax over a non-floating tensor ({val(s).dtype} -> {out.dtype})")
+        if out.dim() == 0:
+            raise _Refuse("softmax over a 0-d tensor")
+        self.ndim, self.shape = out.dim(), tuple(out.shape)
+        self.dim = args["dim"] % self.ndim
+        self.out_dtype = out.dtype
+        _check_prefix(s)
+        if _written_in_place(sm):
+            raise _Refuse("the softmax output (or a view of it) is written in place")
+        self.s = s
+        self.cast_to = args.get("dtype") if args.get("dtype") not in (None, val(s).dtype) else None
+        self.compute_dtype = torch.float32 if out.dtype in _HALF else out.dtype
+        self.chunks, self.chunk, self.with_values = 1, self.shape[self.dim], False
+        self._cache: dict[Any, fx.Node] = {}
+
+    def plan(self, values: bool) -> None:
+        """Split the softmax axis into chunks when the rows alone are too few (see CHUNK_ROWS)."""
+        self.with_values = values
+        vocab = self.shape[self.dim]
+        rows = math.prod(self.shape) // max(vocab, 1)
+        if self.dim != self.ndim - 1 or rows == 0:
+            return
+        want = min(-(-CHUNK_ROWS // rows), vocab // CHUNK_MIN)
+        if want < 2:
+            return
+        chunk = -(-(-(-vocab // want)) // CHUNK_ALIGN) * CHUNK_ALIGN
+        chunks = -(-vocab // chunk)
+        if chunks >= (2 if values else 4):
+            self.chunks, self.chunk = chunks, chunk
+
+    # -- shared nodes ---------------------------------------------------------------------------
+
+    def _node(self, key: Any, target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        if key not in self._cache:
+            self._cache[key] = emit(self.graph, target, args, kwargs)
+        return self._cache[key]
+
+    def s_in(self) -> fx.Node:
+        """The tensor softmax reduced: its input, cast to `dtype=` first when one is given."""
+        if self.cast_to is None:
+            return self.s
+        return self._node("s_in", aten.to.dtype, (self.s, self.cast_to))
+
+    def _up(self, node: fx.Node) -> fx.Node:
+        if val(node).dtype == self.compute_dtype:
+            return node
+        return emit(self.graph, aten.to.dtype, (node, self.compute_dtype))
+
+    def _shared_up(self, key: str, node: fx.Node) -> fx.Node:
+        if key not in self._cache:
+            self._cache[key] = self._up(node)
+        return self._cache[key]
+
+    def _chunked(self) -> fx.Node:
+        """s_in as [..., chunks, chunk], padded with -inf (never the max, exp(-inf) = 0)."""
+        if "xs" not in self._cache:
+            x, pad = self.s_in(), self.chunks * self.chunk - self.shape[self.dim]
+            if pad:
+                x = emit(self.graph, aten.constant_pad_nd.default, (x, [0, pad], float("-inf")))
+            self._node("xs", aten.view.default, (x, list(self.shape[:-1]) + [self.chunks, self.chunk]))
+        return self._cache["xs"]
+
+    def stats(self, dims: list[int]) -> tuple[fx.Node, fx.Node]:
+        """(m, z) = (max, sum(exp(s - max))) over `dims`, keepdim, in the compute dtype."""
+        if self.chunks > 1 and dims == [self.dim]:
+            return self._chunk_stats()
+        key = tuple(dims)
+        if ("z", key) not in self._cache:
+            s_c = self._shared_up("s_c", self.s_in())
+            # amax, sub, exp, sum(keepdim): Inductor's online-softmax pattern (one pass)
+            m = self._node(("m", key), aten.amax.default, (s_c, dims, True))
+            e = emit(self.graph, aten.exp.default, (emit(self.graph, aten.sub.Tensor, (s_c, m)),))
+            self._node(("z", key), aten.sum.dim_IntList, (e, dims, True))
+        return self._cache[("m", key)], self._cache[("z", key)]
+
+    def _chunk_stats(self) -> tuple[fx.Node, fx.Node]:
+        if "Z" not in self._cache:
+            inner, outer = self.ndim, self.dim  # the chunk axis and the chunk-index axis
+            xc = self._shared_up("xs_c", self._chunked())
+            m_c = self._node("m_c_keep", aten.amax.default, (xc, [inner], True))
+            e = emit(self.graph, aten.exp.default, (emit(self.graph, aten.sub.Tensor, (xc, m_c)),))
+            z_c = emit(self.graph, aten.sum.dim_IntList, (e, [inner], True))
+            m_c = self._node("m_c", aten.squeeze.dims, (m_c, [inner]))
+            z_c = emit(self.graph, aten.squeeze.dims, (z_c, [inner]))
+            m = self._node("M", aten.amax.default, (m_c, [outer], True))
+            # a chunk of -inf only adds 0 (its own sum is undefined); a row of -inf stays NaN
+            z_c = emit(self.graph, aten.masked_fill.Scalar,
+                       (z_c, emit(self.graph, aten.eq.Scalar, (m_c, float("-inf"))), 0.0))
+            scaled = emit(self.graph, aten.mul.Tensor,
+                          (z_c, emit(self.graph, aten.exp.default, (emit(self.graph, aten.sub.Tensor, (m_c, m)),))))
+            self._node("Z", aten.sum.dim_IntList, (scaled, [outer], True))
+        return self._cache["M"], self._cache["Z"]
+
+    def _chunk_argmax(self) -> tuple[fx.Node, fx.Node]:
+        """(first chunk holding the max) * chunk and (the max's index in it), both [..., 1]."""
+        if "at" not in self._cache:
+            inner, outer = self.ndim, self.dim
+            if self.with_values:
+                self._chunk_stats()  # one kernel: each chunk's max, sum and arg-max
+            i_c = emit(self.graph, aten.argmax.default, (self._chunked(), inner))
+            m_c = (self._cache["m_c"] if self.with_values
+                   else emit(self.graph, aten.amax.default, (self._chunked(), [inner])))
+            w = emit(self.graph, aten.argmax.default, (m_c, outer, True))
+            self._node("start", aten.mul.Tensor, (w, self.chunk))
+            self._node("at", aten.gather.default, (i_c, outer, w))
+        return self._cache["start"], self._cache["at"]
+
+    # -- one consumer (every node it returns is new, so no two outputs alias) --------------------
+
+    def indices(self, target: Any, args: dict[str, Any], dims: list[int], k: int) -> fx.Node:
+        keepdim = target is aten.topk.default or args.get("keepdim", False)
+        if k > 1:
+            return emit(self.graph, operator.getitem, (self.topk(k, args["sorted"]), 1))
+        if self.chunks > 1 and dims == [self.dim]:
+            start, at = self._chunk_argmax()
+            if not keepdim:
+                start, at = (emit(self.graph, aten.squeeze.dims, (n, dims)) for n in (start, at))
+            return emit(self.graph, aten.add.Tensor, (start, at))
+        return emit(self.graph, aten.argmax.default, (self.s_in(), args["dim"], keepdim))
+
+    def topk(self, k: int, sorted_: bool) -> fx.Node:
+        return self._node(("topk", k, sorted_), aten.topk.default, (self.s_in(), k, self.dim, True, sorted_))
+
+    def values(self, target: Any, args: dict[str, Any], dims: list[int], k: int) -> fx.Node:
+        """exp(top - m) / z (log_softmax: top - m - log z); for k = 1 the top is m itself."""
+        keepdim = target is aten.topk.default or args.get("keepdim", False)
+        m, z = self.stats(dims)
+        if not keepdim:
+            m, z = (emit(self.graph, aten.squeeze.dims, (n, dims)) for n in (m, z))
+        top = m if k == 1 else self._up(emit(self.graph, operator.getitem, (self.topk(k, args["sorted"]), 0)))
+        shifted = emit(self.graph, aten.sub.Tensor, (top, m))  # k = 1: 0, or NaN where the max is not finite
+        if self.is_log:
+            return emit(self.graph, aten.sub.Tensor, (shifted, emit(self.graph, aten.log.default, (z,))))
+        return emit(self.graph, aten.div.Tensor, (emit(self.graph, aten.exp.default, (shifted,)), z))
+
+    def rewrite(self, consumer: fx.Node, casts: list[torch.dtype], options: Options) -> str:
+        target, args = consumer.target, bind(consumer)
+        dims, k = self.check(consumer)
+        values_out, indices_out = _outputs(consumer)
+        what = []
+        indices = None
+        if indices_out:
+            indices = self.indices(target, args, dims, k)
+            for node in indices_out:
+                node.replace_all_uses_with(indices)
+            how = "topk" if k > 1 else "argmax" if self.chunks == 1 or dims != [self.dim] else (
+                f"argmax over {self.chunks} chunks of {self.chunk}")
+            what.append(f"indices = {how}({self.s_in().name})")
+        if values_out:
+            dtype = val(values_out[0]).dtype
+            if options.max_probs == "ones":
+                if indices is not None:  # computed from the indices so it fuses into their kernel
+                    ones = emit(self.graph, aten.to.dtype, (emit(self.graph, aten.ge.Scalar, (indices, 0)), dtype))
+                else:
+                    ones = emit(self.graph, aten.new_ones.default, (self.s_in(), list(val(values_out[0]).shape)),
+                                {"dtype": dtype})
+                values = ones
+                what.append("values = ones (max_probs='ones')")
+            else:
+                values = self.values(target, args, dims, k)
+                for dtype in [self.out_dtype] + casts:  # round where the original rounded
+                    if val(values).dtype != dtype:
+                        values = emit(self.graph, aten.to.dtype, (values, dtype))
+                what.append("values = " + ("top - max - log(sum(exp(s - max)))" if self.is_log
+                                           else "exp(top - max) / sum(exp(s - max))"))
+            assert tuple(val(values).shape) == tuple(val(values_out[0]).shape), (values, values_out)
+            for node in values_out:
+                node.replace_all_uses_with(values)
+        kind = "log_softmax" if self.is_log else "softmax"
+        return f"{kind} -> {_op_name(target)} along dim {self.dim}: " + ("; ".join(what) or "outputs unused")
+
+    def check(self, consumer: fx.Node) -> tuple[list[int], int]:
+        """The consumer's reduced axes (normalised) and k; refuses what the rule does not cover."""
+        target, args = consumer.target, bind(consumer)
+        op = _op_name(target)
+        if target in _SMALLEST or (target is aten.topk.default and not args["largest"]):
+            raise _Refuse(f"{op} takes the smallest probabilities; they underflow to ties at 0, "
+                          "so the order of the softmax input does not reproduce the original's choice")
+        k = args["k"] if target is aten.topk.default else 1
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise _Refuse(f"topk with k={k!r}")
+        if target is aten.max.default or (target is aten.argmax.default and args["dim"] is None):
+            dims = list(range(self.ndim))
+        elif target is aten.amax.default:
+            dims = sorted({d % self.ndim for d in args["dim"]}) or list(range(self.ndim))
+        else:
+            dims = [args["dim"] % self.ndim]
+        if self.dim not in dims:
+            raise _Refuse(f"axes differ: softmax over dim {self.dim}, {op} over dim(s) {dims}")
+        wider = [d for d in dims if d != self.dim and self.shape[d] != 1]
+        if wider:
+            raise _Refuse(f"{op} also reduces over dim(s) {wider}, not only the softmax's dim {self.dim}")
+        if k > 1 and dims != [self.dim]:
+            raise _Refuse("topk over a reshaped axis")
+        return dims, k
+
+
+def _outputs(consumer: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(nodes holding the values, nodes holding the indices) that have users."""
+    if consumer.target in (aten.max.default, aten.amax.default):
+        return ([consumer] if consumer.users else []), []
+    if consumer.target is aten.argmax.default:
+        return [], ([consumer] if consumer.users else [])
+    values, indices = [], []
+    for user in consumer.users:
+        if user.op != "call_function" or user.target is not operator.getitem or user.args[1] not in (0, 1):
+            raise _Refuse(f"the (values, indices) result of {consumer.name} is used whole by {user.name}")
+        if user.users:
+            (values if user.args[1] == 0 else indices).append(user)
+    return values, indices
+
+
+def _check_prefix(s: fx.Node) -> None:
+    """Walk from the softmax input up through casts and scalings: every temperature must be provably positive."""
+    node = s
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target in _CASTS or node.target in _IDENTITIES:
+            node = node.args[0]
+            continue
+        if node.target not in _SCALE:
+            return  # the logits x: whatever op made them, softmax sees s and so do we
+        args = bind(node)
+        if node.target is aten.div.Tensor_mode and args.get("rounding_mode") is not None:
+            raise _Refuse(f"{node.name} is a rounding division ({args['rounding_mode']!r}); it merges distinct logits")
+        a, b = args["self"], args["other"]
+        is_div = node.target in (aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode)
+        scale = node
+        if isinstance(a, fx.Node) and not isinstance(b, fx.Node):
+            number, node = b, a
+        elif not is_div and isinstance(b, fx.Node) and not isinstance(a, fx.Node):
+            number, node = a, b
+        else:
+            raise _Refuse(f"temperature in {scale.name} ({_op_name(scale.target)}) is a tensor; its sign is unknown")
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise _Refuse(f"temperature {number!r} in {scale.name} is not a real Python number")
+        if not (number > 0 and math.isfinite(number)):
+            raise _Refuse(f"temperature {number!r} in {scale.name} is not positive and finite; "
+                          "it does not preserve the order")
+
+
+def _written_in_place(root: fx.Node) -> bool:
+    """Is `root`, or any view of it, mutated by some op in the graph?"""
+    aliases, stack = {root}, [root]
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in aliases or user.op != "call_function":
+                continue
+            if _mutates(user, node):
+                return True
+            schema = getattr(user.target, "_schema", None)
+            returns_alias = (schema is not None and schema.returns and schema.returns[0].alias_info is not None)
+            if returns_alias or user.target is operator.getitem:
+                aliases.add(user)
+                stack.append(user)
+    return False
+
+
+def _mutates(user: fx.Node, arg: fx.Node) -> bool:
+    schema = getattr(user.target, "_schema", None)
+    if schema is None:
+        return False
+    bound = bind(user)
+    for a in schema.arguments:
+        if a.alias_info is not None and a.alias_info.is_write and bound.get(a.name) is arg:
+            return True
+    return False
+
+
+def _op_name(target: Any) -> str:
+    from specpass.testing import op_name
+
+    return op_name(target)

@@ -1,0 +1,598 @@
+"""Live-row pass: graph diffs per gather spelling, numerics against eager, refusals, FLOPs."""
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+
+import specpass
+from models.toy import ToyDraft
+from specpass.testing import graph_str
+
+B, T, H, V, S = 3, 4, 8, 16, 6
+
+
+class Draft(torch.nn.Module):
+    """A one-layer catch-up step small enough to print: KV write, attention, o_proj, lm_head."""
+
+    def __init__(self, batch=B, cache_len=S, causal=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wq, self.wk, self.wo = (torch.nn.Parameter(torch.randn(H, H) / H**0.5) for _ in range(3))
+        self.head = torch.nn.Parameter(torch.randn(V, H) / H**0.5)
+        self.register_buffer("cache", torch.zeros(batch, cache_len, H))
+        self.causal = causal
+
+    def hidden(self, x, pos):
+        # x: [B, T, H]; pos: [T], the cache slots of the T rows
+        self.cache.index_copy_(1, pos, F.linear(x, self.wk))
+        q = F.linear(x, self.wq)
+        if self.causal:
+            a = F.scaled_dot_product_attention(q, self.cache[:, : x.shape[1]], self.cache[:, : x.shape[1]], is_causal=True)
+        else:
+            mask = torch.arange(self.cache.shape[1]) <= pos[:, None]  # [T, S]
+            a = F.scaled_dot_product_attention(q, self.cache, self.cache, attn_mask=mask)
+        return x + F.linear(a, self.wo)  # [B, T, H]
+
+    def logits(self, x, pos):
+        return F.linear(F.rms_norm(self.hidden(x, pos), (H,)), self.head)  # [B, T, V]
+
+
+def last(m, x, pos, live):
+    return m.logits(x, pos)[:, -1]
+
+
+def per_request(m, x, pos, live):
+    h = m.hidden(x, pos)
+    rows = torch.arange(x.shape[0])
+    return F.linear(F.rms_norm(h, (H,)), m.head)[rows, live], h[rows, live]
+
+
+def flat_static(m, x, pos, live):
+    Bx, Tx = x.shape[:2]
+    return m.logits(x, pos).reshape(Bx * Tx, V).index_select(0, torch.arange(Bx) * Tx + Tx - 1)
+
+
+def flat_runtime(m, x, pos, live):
+    Bx, Tx = x.shape[:2]
+    return m.logits(x, pos).reshape(Bx * Tx, V)[torch.arange(Bx) * Tx + live]
+
+
+def last_two(m, x, pos, live):
+    return m.logits(x, pos)[:, -2:]
+
+
+def narrow_last(m, x, pos, live):
+    return m.logits(x, pos).narrow(1, x.shape[1] - 1, 1)
+
+
+def gather_live(m, x, pos, live):
+    return torch.gather(m.logits(x, pos), 1, live[:, None, None].expand(-1, 1, V))
+
+
+def greedy_last(m, x, pos, live):
+    return m.logits(x, pos).argmax(-1)[:, -1]
+
+
+FORMS = [last, per_request, flat_static, flat_runtime, last_two, narrow_last, gather_live, greedy_last]
+
+
+def _inputs(batch=B, rows=T):
+    torch.manual_seed(1)
+    live = torch.tensor([rows - 1, 0, rows // 2, 1][:batch]) % rows
+    return torch.randn(batch, rows, H), torch.arange(rows) + (S - rows), live
+
+
+def _rewrite(fn, model, *args, **options):
+    gm = specpass.capture(lambda *a: fn(model, *a), *args)
+    return gm, specpass.rewrite(gm, argmax=False, **options)
+
+
+def _run(fn, model, args, backend=None):
+    model.cache.zero_()
+    step = (lambda *a: fn(model, *a))
+    if backend is not None:
+        torch._dynamo.reset()
+        step = torch.compile(step, backend=backend)
+    with torch.no_grad():
+        out = step(*args)
+    return torch.utils._pytree.tree_leaves(out), model.cache.clone()
+
+
+class TestGraphs(expecttest.TestCase):
+    def test_toy_draft(self):
+        torch.manual_seed(0)
+        gm = specpass.capture(ToyDraft().eval(), torch.randint(0, 64, (2, 4)), torch.arange(4))
+        result = specpass.rewrite(gm, argmax=False)
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+tokens: i64[2, 4]
+embed_weight: f32[64, 32]
+attn_norm_weight: f32[32]
+qkv_weight: f32[96, 32]
+k_cache: f32[2, 4, 16, 8]
+positions: i64[4]
+v_cache: f32[2, 4, 16, 8]
+o_proj_weight: f32[32, 32]
+mlp_norm_weight: f32[32]
+up_weight: f32[64, 32]
+down_weight: f32[32, 64]
+norm_weight: f32[32]
+lm_head_weight: f32[64, 32]
+embedding: f32[2, 4, 32] = embedding(embed_weight, tokens)
+rms_norm: f32[2, 4, 32] = rms_norm(embedding, [32], attn_norm_weight, 1e-06)
+linear: f32[2, 4, 96] = linear(rms_norm, qkv_weight)
+view: f32[2, 4, 3, 4, 8] = view(linear, [2, 4, 3, 4, 8])
+transpose: f32[2, 4, 3, 4, 8] = transpose.int(view, 1, 3)
+unbind: (f32[2, 4, 4, 8], f32[2, 4, 4, 8], f32[2, 4, 4, 8]) = unbind.int(transpose, 2)
+getitem: f32[2, 4, 4, 8] = getitem(unbind, 0)
+getitem_1: f32[2, 4, 4, 8] = getitem(unbind, 1)
+getitem_2: f32[2, 4, 4, 8] = getitem(unbind, 2)
+index_copy_: f32[2, 4, 16, 8] = index_copy_(k_cache, 2, positions, getitem_1)
+index_copy__1: f32[2, 4, 16, 8] = index_copy_(v_cache, 2, positions, getitem_2)
+arange: i64[16] = arange(16, device=cpu, pin_memory=False)
+unsqueeze: i64[1, 16] = unsqueeze(arange, 0)
+positions_rows: i64[1] = slice.Tensor(positions, 0, 3, 4, 1)
+unsqueeze_1: i64[1, 1] = reshape(positions_rows, [1, 1])
+le: b8[1, 16] = le.Tensor(unsqueeze, unsqueeze_1)
+getitem_rows: f32[2, 4, 1, 8] = slice.Tensor(getitem, 2, 3, 4, 1)
+scaled_dot_product_attention: f32[2, 4, 1, 8] = scaled_dot_product_attention(getitem_rows, index_copy_, index_copy__1, le)
+transpose_1: f32[2, 1, 4, 8] = transpose.int(scaled_dot_product_attention, 1, 2)
+reshape: f32[2, 1, 32] = reshape(transpose_1, [2, 1, 32])
+linear_1: f32[2, 1, 32] = linear(reshape, o_proj_weight)
+embedding_rows: f32[2, 1, 32] = slice.Tensor(embedding, 1, 3, 4, 1)
+add: f32[2, 1, 32] = add.Tensor(embedding_rows, linear_1)
+rms_norm_1: f32[2, 1, 32] = rms_norm(add, [32], mlp_norm_weight, 1e-06)
+linear_2: f32[2, 1, 64] = linear(rms_norm_1, up_weight)
+silu: f32[2, 1, 64] = silu(linear_2)
+linear_3: f32[2, 1, 32] = linear(silu, down_weight)
+add_1: f32[2, 1, 32] = add.Tensor(add, linear_3)
+rms_norm_2: f32[2, 1, 32] = rms_norm(add_1, [32], norm_weight, 1e-06)
+linear_4: f32[2, 1, 64] = linear(rms_norm_2, lm_head_weight)
+select: f32[2, 64] = reshape(linear_4, [2, 64])
+return (select,)""")
+        self.assertExpectedInline(str(result.report), """\
+specpass: 1 rewrite(s), 0 left alone; graph matmul FLOPs 180K -> 81.9K, 2.20x fewer
+  [live_rows] rewrote select: 11 ops run on the selected rows only; gathered after embedding (needed in full by rms_norm); getitem (used by the in-place index_copy_ index_copy__1 (via unbind)); positions (a graph input) (rows 8 -> 2; matmul FLOPs 131K -> 32.8K)""")
+
+    def test_last(self):
+        gm, result = _rewrite(last, Draft(), *_inputs())
+        self.assertExpectedInline(graph_str(gm), """\
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_0: f32[3, 4, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+linear_1: f32[3, 4, 8] = linear(a_0, model_wq)
+arange: i64[6] = arange(6, device=cpu, pin_memory=False)
+unsqueeze: i64[4, 1] = unsqueeze(a_1, 1)
+le: b8[4, 6] = le.Tensor(arange, unsqueeze)
+scaled_dot_product_attention: f32[3, 4, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le)
+linear_2: f32[3, 4, 8] = linear(scaled_dot_product_attention, model_wo)
+add: f32[3, 4, 8] = add.Tensor(a_0, linear_2)
+rms_norm: f32[3, 4, 8] = rms_norm(add, [8])
+linear_3: f32[3, 4, 16] = linear(rms_norm, model_head)
+select: f32[3, 16] = select.int(linear_3, 1, -1)
+return (select,)""")
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_0: f32[3, 4, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+a_0_rows: f32[3, 1, 8] = slice.Tensor(a_0, 1, 3, 4, 1)
+linear_1: f32[3, 1, 8] = linear(a_0_rows, model_wq)
+arange: i64[6] = arange(6, device=cpu, pin_memory=False)
+a_1_rows: i64[1] = slice.Tensor(a_1, 0, 3, 4, 1)
+unsqueeze: i64[1, 1] = reshape(a_1_rows, [1, 1])
+le: b8[1, 6] = le.Tensor(arange, unsqueeze)
+scaled_dot_product_attention: f32[3, 1, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le)
+linear_2: f32[3, 1, 8] = linear(scaled_dot_product_attention, model_wo)
+add: f32[3, 1, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[3, 1, 8] = rms_norm(add, [8])
+linear_3: f32[3, 1, 16] = linear(rms_norm, model_head)
+select: f32[3, 16] = reshape(linear_3, [3, 16])
+return (select,)""")
+
+    def test_per_request_rows_shared_by_two_outputs(self):
+        _, result = _rewrite(per_request, Draft(), *_inputs())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_0: f32[3, 4, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+a_2: i64[3]
+arange_start_step: i64[3] = arange.start_step(0, 3, 1, dtype=i64, device=cpu)
+unsqueeze_default_1: i64[3, 1] = unsqueeze(arange_start_step, 1)
+unsqueeze_default: i64[3, 1] = unsqueeze(a_2, 1)
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+a_0_rows: f32[3, 1, 8] = index.Tensor(a_0, [unsqueeze_default_1, unsqueeze_default])
+linear_1: f32[3, 1, 8] = linear(a_0_rows, model_wq)
+arange: i64[6] = arange(6, device=cpu, pin_memory=False)
+unsqueeze: i64[4, 1] = unsqueeze(a_1, 1)
+le: b8[4, 6] = le.Tensor(arange, unsqueeze)
+expand_default: b8[3, 4, 6] = expand(le, [3, 4, 6])
+le_rows: b8[3, 1, 6] = index.Tensor(expand_default, [unsqueeze_default_1, unsqueeze_default])
+scaled_dot_product_attention: f32[3, 1, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le_rows)
+linear_2: f32[3, 1, 8] = linear(scaled_dot_product_attention, model_wo)
+add: f32[3, 1, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[3, 1, 8] = rms_norm(add, [8])
+linear_3: f32[3, 1, 16] = linear(rms_norm, model_head)
+index: f32[3, 16] = reshape(linear_3, [3, 16])
+index_1: f32[3, 8] = reshape(add, [3, 8])
+return (index, index_1)""")
+        self.assertEqual(len(result.report.rewrites), 1)
+
+    def test_flat_static_index_becomes_per_request(self):
+        _, result = _rewrite(flat_static, Draft(), *_inputs())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+a_0: f32[3, 4, 8]
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+arange_start_step: i64[3] = arange.start_step(0, 3, 1, dtype=i64, device=cpu)
+unsqueeze_default: i64[3, 1] = unsqueeze(arange_start_step, 1)
+arange_1: i64[3] = arange(3, device=cpu, pin_memory=False)
+mul: i64[3] = mul.Tensor(arange_1, 4)
+add_1: i64[3] = add.Tensor(mul, 4)
+sub: i64[3] = sub.Tensor(add_1, 1)
+reshape_default: i64[3] = reshape(sub, [-1])
+remainder_scalar: i64[3] = remainder.Scalar(reshape_default, 4)
+reshape_default_1: i64[3, 1] = reshape(remainder_scalar, [3, 1])
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+a_0_rows: f32[3, 1, 8] = index.Tensor(a_0, [unsqueeze_default, reshape_default_1])
+linear_1: f32[3, 1, 8] = linear(a_0_rows, model_wq)
+arange: i64[6] = arange(6, device=cpu, pin_memory=False)
+unsqueeze: i64[4, 1] = unsqueeze(a_1, 1)
+le: b8[4, 6] = le.Tensor(arange, unsqueeze)
+expand_default: b8[3, 4, 6] = expand(le, [3, 4, 6])
+le_rows: b8[3, 1, 6] = index.Tensor(expand_default, [unsqueeze_default, reshape_default_1])
+scaled_dot_product_attention: f32[3, 1, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le_rows)
+linear_2: f32[3, 1, 8] = linear(scaled_dot_product_attention, model_wo)
+add: f32[3, 1, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[3, 1, 8] = rms_norm(add, [8])
+linear_3: f32[3, 1, 16] = linear(rms_norm, model_head)
+reshape: f32[3, 16] = reshape(linear_3, [3, 16])
+return (reshape,)""")
+
+    def test_flat_runtime_index_stops_before_attention(self):
+        _, result = _rewrite(flat_runtime, Draft(), *_inputs())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+a_0: f32[3, 4, 8]
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+a_2: i64[3]
+arange_1: i64[3] = arange(3, device=cpu, pin_memory=False)
+mul: i64[3] = mul.Tensor(arange_1, 4)
+add_1: i64[3] = add.Tensor(mul, a_2)
+remainder_scalar: i64[3] = remainder.Scalar(add_1, 12)
+expand_default: i64[3] = expand(remainder_scalar, [3])
+reshape_default: i64[3] = reshape(expand_default, [-1])
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+linear_1: f32[3, 4, 8] = linear(a_0, model_wq)
+arange: i64[6] = arange(6, device=cpu, pin_memory=False)
+unsqueeze: i64[4, 1] = unsqueeze(a_1, 1)
+le: b8[4, 6] = le.Tensor(arange, unsqueeze)
+scaled_dot_product_attention: f32[3, 4, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le)
+reshape_default_1: f32[12, 8] = reshape(scaled_dot_product_attention, [12, 8])
+index_select_default: f32[3, 8] = index_select(reshape_default_1, 0, reshape_default)
+scaled_dot_product_attention_rows: f32[1, 3, 8] = reshape(index_select_default, [1, 3, 8])
+linear_2: f32[1, 3, 8] = linear(scaled_dot_product_attention_rows, model_wo)
+reshape_default_2: f32[12, 8] = reshape(a_0, [12, 8])
+index_select_default_1: f32[3, 8] = index_select(reshape_default_2, 0, reshape_default)
+a_0_rows: f32[1, 3, 8] = reshape(index_select_default_1, [1, 3, 8])
+add: f32[1, 3, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[1, 3, 8] = rms_norm(add, [8])
+linear_3: f32[1, 3, 16] = linear(rms_norm, model_head)
+reshape: f32[3, 16] = reshape(linear_3, [3, 16])
+return (reshape,)""")
+        self.assertIn("not provably per request", str(result.report))
+
+    def test_last_two(self):
+        _, result = _rewrite(last_two, Draft(), *_inputs())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_0: f32[3, 4, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+a_0_rows: f32[3, 2, 8] = slice.Tensor(a_0, 1, 2, 4, 1)
+linear_1: f32[3, 2, 8] = linear(a_0_rows, model_wq)
+arange: i64[6] = arange(6, device=cpu, pin_memory=False)
+a_1_rows: i64[2] = slice.Tensor(a_1, 0, 2, 4, 1)
+unsqueeze: i64[2, 1] = reshape(a_1_rows, [2, 1])
+le: b8[2, 6] = le.Tensor(arange, unsqueeze)
+scaled_dot_product_attention: f32[3, 2, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le)
+linear_2: f32[3, 2, 8] = linear(scaled_dot_product_attention, model_wo)
+add: f32[3, 2, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[3, 2, 8] = rms_norm(add, [8])
+linear_3: f32[3, 2, 16] = linear(rms_norm, model_head)
+return (linear_3,)""")
+
+    def test_narrow(self):
+        _, result = _rewrite(narrow_last, Draft(), *_inputs())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_0: f32[3, 4, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+a_0_rows: f32[3, 1, 8] = slice.Tensor(a_0, 1, 3, 4, 1)
+linear_1: f32[3, 1, 8] = linear(a_0_rows, model_wq)
+arange: i64[6] = arange(6, device=cpu, pin_memory=False)
+a_1_rows: i64[1] = slice.Tensor(a_1, 0, 3, 4, 1)
+unsqueeze: i64[1, 1] = reshape(a_1_rows, [1, 1])
+le: b8[1, 6] = le.Tensor(arange, unsqueeze)
+scaled_dot_product_attention: f32[3, 1, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le)
+linear_2: f32[3, 1, 8] = linear(scaled_dot_product_attention, model_wo)
+add: f32[3, 1, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[3, 1, 8] = rms_norm(add, [8])
+linear_3: f32[3, 1, 16] = linear(rms_norm, model_head)
+return (linear_3,)""")
+
+    def test_torch_gather(self):
+        _, result = _rewrite(gather_live, Draft(), *_inputs())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_0: f32[3, 4, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+a_2: i64[3]
+arange_start_step: i64[3] = arange.start_step(0, 3, 1, dtype=i64, device=cpu)
+unsqueeze_default: i64[3, 1] = unsqueeze(arange_start_step, 1)
+unsqueeze_1: i64[3, 1] = unsqueeze(a_2, 1)
+unsqueeze_2: i64[3, 1, 1] = unsqueeze(unsqueeze_1, 2)
+reshape_default: i64[3, 1] = reshape(unsqueeze_2, [3, 1])
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+a_0_rows: f32[3, 1, 8] = index.Tensor(a_0, [unsqueeze_default, reshape_default])
+linear_1: f32[3, 1, 8] = linear(a_0_rows, model_wq)
+arange: i64[6] = arange(6, device=cpu, pin_memory=False)
+unsqueeze: i64[4, 1] = unsqueeze(a_1, 1)
+le: b8[4, 6] = le.Tensor(arange, unsqueeze)
+expand_default: b8[3, 4, 6] = expand(le, [3, 4, 6])
+le_rows: b8[3, 1, 6] = index.Tensor(expand_default, [unsqueeze_default, reshape_default])
+scaled_dot_product_attention: f32[3, 1, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le_rows)
+linear_2: f32[3, 1, 8] = linear(scaled_dot_product_attention, model_wo)
+add: f32[3, 1, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[3, 1, 8] = rms_norm(add, [8])
+linear_3: f32[3, 1, 16] = linear(rms_norm, model_head)
+return (linear_3,)""")
+
+    def test_through_argmax(self):
+        _, result = _rewrite(greedy_last, Draft(), *_inputs())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_0: f32[3, 4, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+a_0_rows: f32[3, 1, 8] = slice.Tensor(a_0, 1, 3, 4, 1)
+linear_1: f32[3, 1, 8] = linear(a_0_rows, model_wq)
+arange: i64[6] = arange(6, device=cpu, pin_memory=False)
+a_1_rows: i64[1] = slice.Tensor(a_1, 0, 3, 4, 1)
+unsqueeze: i64[1, 1] = reshape(a_1_rows, [1, 1])
+le: b8[1, 6] = le.Tensor(arange, unsqueeze)
+scaled_dot_product_attention: f32[3, 1, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le)
+linear_2: f32[3, 1, 8] = linear(scaled_dot_product_attention, model_wo)
+add: f32[3, 1, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[3, 1, 8] = rms_norm(add, [8])
+linear_3: f32[3, 1, 16] = linear(rms_norm, model_head)
+argmax: i64[3, 1] = argmax(linear_3, -1)
+select: i64[3] = reshape(argmax, [3])
+return (select,)""")
+
+    def test_causal_attention_gets_an_explicit_mask(self):
+        x, pos, live = _inputs()
+        _, result = _rewrite(last, Draft(cache_len=T, causal=True), x, torch.arange(T), live)
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+model_cache: f32[3, 4, 8]
+model_wk: f32[8, 8]
+a_0: f32[3, 4, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+arange_start_step_1: i64[1] = arange.start_step(3, 4, 1, dtype=i64, device=cpu)
+unsqueeze_default: i64[1, 1] = unsqueeze(arange_start_step_1, 1)
+arange_start_step: i64[4] = arange.start_step(0, 4, 1, dtype=i64, device=cpu)
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 4, 8] = index_copy_(model_cache, 1, a_1, linear)
+a_0_rows: f32[3, 1, 8] = slice.Tensor(a_0, 1, 3, 4, 1)
+linear_1: f32[3, 1, 8] = linear(a_0_rows, model_wq)
+alias: f32[3, 4, 8] = alias(index_copy_)
+alias_1: f32[3, 4, 8] = alias(index_copy_)
+le_tensor: b8[1, 4] = le.Tensor(arange_start_step, unsqueeze_default)
+scaled_dot_product_attention: f32[3, 1, 8] = scaled_dot_product_attention(linear_1, alias, alias_1, attn_mask=le_tensor, dropout_p=0.0, is_causal=False)
+linear_2: f32[3, 1, 8] = linear(scaled_dot_product_attention, model_wo)
+add: f32[3, 1, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[3, 1, 8] = rms_norm(add, [8])
+linear_3: f32[3, 1, 16] = linear(rms_norm, model_head)
+select: f32[3, 16] = reshape(linear_3, [3, 16])
+return (select,)""")
+
+    def test_q_slice_off_gathers_after_attention(self):
+        _, result = _rewrite(last, Draft(), *_inputs(), q_slice=False)
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_0: f32[3, 4, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+linear_1: f32[3, 4, 8] = linear(a_0, model_wq)
+arange: i64[6] = arange(6, device=cpu, pin_memory=False)
+unsqueeze: i64[4, 1] = unsqueeze(a_1, 1)
+le: b8[4, 6] = le.Tensor(arange, unsqueeze)
+scaled_dot_product_attention: f32[3, 4, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le)
+scaled_dot_product_attention_rows: f32[3, 1, 8] = slice.Tensor(scaled_dot_product_attention, 1, 3, 4, 1)
+linear_2: f32[3, 1, 8] = linear(scaled_dot_product_attention_rows, model_wo)
+a_0_rows: f32[3, 1, 8] = slice.Tensor(a_0, 1, 3, 4, 1)
+add: f32[3, 1, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[3, 1, 8] = rms_norm(add, [8])
+linear_3: f32[3, 1, 16] = linear(rms_norm, model_head)
+select: f32[3, 16] = reshape(linear_3, [3, 16])
+return (select,)""")
+        self.assertIn("q_slice=False", str(result.report))
+
+
+@pytest.mark.filterwarnings("error::specpass.SpecpassWarning")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f.__name__)
+def test_numerics_match_eager(form, batch, rows, causal):
+    model = Draft(batch=batch, cache_len=rows if causal else S, causal=causal)
+    x, pos, live = _inputs(batch, rows)
+    if causal:
+        pos = torch.arange(rows)
+    want_out, want_cache = _run(form, model, (x, pos, live))
+    got_out, got_cache = _run(form, model, (x, pos, live), specpass.backend(handoff="eager", argmax=False))
+    for got, want in zip(got_out, want_out, strict=True):
+        if want.is_floating_point():
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, want)
+    assert torch.equal(got_cache, want_cache)
+    if form is last:
+        assert torch.equal(got_out[0].argmax(-1), want_out[0].argmax(-1))
+
+
+def _unchanged(test, fn, model, *args, **options):
+    gm, result = _rewrite(fn, model, *args, **options)
+    test.assertEqual(graph_str(result.graph_module), graph_str(gm))
+    test.assertEqual(result.report.rewrites, [])
+    return str(result.report)
+
+
+@torch.library.custom_op("specpass_test::mix_rows", mutates_args=())
+def mix_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.flip(1)
+
+
+@mix_rows.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class TestRefusals(expecttest.TestCase):
+    def test_cumsum_over_tokens(self):
+        report = _unchanged(self, lambda m, x, p, l: m.logits(x, p).cumsum(1)[:, -1], Draft(), *_inputs())
+        self.assertIn("cumsum mixes rows along axis 1", report)
+
+    def test_softmax_over_tokens(self):
+        report = _unchanged(self, lambda m, x, p, l: m.logits(x, p).softmax(1)[:, -1], Draft(), *_inputs())
+        self.assertIn("softmax mixes rows along axis 1", report)
+
+    def test_unknown_op_is_row_mixing(self):
+        report = _unchanged(self, lambda m, x, p, l: mix_rows(m.logits(x, p))[:, -1], Draft(), *_inputs())
+        self.assertIn("mix_rows is not known to be row-local", report)
+
+    def test_full_output_keeps_every_row(self):
+        def both(m, x, p, l):
+            logits = m.logits(x, p)
+            return logits[:, -1], logits
+
+        report = _unchanged(self, both, Draft(), *_inputs())
+        self.assertIn("returned as an output", report)
+
+    def test_index_computed_from_the_rows(self):
+        def argmax_row(m, x, p, l):
+            logits = m.logits(x, p)
+            return logits[torch.arange(x.shape[0]), logits.amax(-1).argmax(1)]
+
+        report = _unchanged(self, argmax_row, Draft(), *_inputs())
+        self.assertIn("needed in full by amax", report)
+
+    def test_index_written_in_place_before_the_gather(self):
+        def bumped(m, x, p, live):
+            rows = live.view(-1)  # an alias of live
+            logits = m.logits(x, p)
+            live.sub_(1)  # the gather reads the decremented rows
+            return logits[torch.arange(x.shape[0]), rows]
+
+        report = _unchanged(self, bumped, Draft(), *_inputs())
+        self.assertIn("the row index is written in place by sub_", report)
+
+    def test_index_known_only_after_the_rows(self):
+        def late(m, x, p, live):
+            logits = m.logits(x, p)
+            live.sub_(1)  # in place: the gather's index exists only from here on
+            return logits[torch.arange(x.shape[0]), live]
+
+        report = _unchanged(self, late, Draft(), *_inputs())
+        self.assertIn("is only known after linear_3", report)
+
+    def test_no_gather_says_how_to_fix(self):
+        report = _unchanged(self, lambda m, x, p, l: m.logits(x, p), Draft(), *_inputs())
+        self.assertIn("logits_to_keep", report)
+
+    def test_write_between_reads_gathers_each_epoch(self):
+        buf = torch.randn(B, S, H)
+
+        def reread(x):
+            v = buf[:, :T]
+            y = v * 2
+            buf.mul_(0.5)  # v's rows change between the two reads
+            return (y + v + x)[:, -1]
+
+        x = torch.randn(B, T, H)
+        result = specpass.rewrite(specpass.capture(reread, x), argmax=False)
+        gathers = [n for n in result.graph_module.graph.nodes if n.name.startswith("slice_1_rows")]
+        self.assertEqual(len(gathers), 2)  # one before the write, one after
+        self.assertIn("mul_ writes it in place", str(result.report))
+        saved = buf.clone()
+        want = reread(x)
+        buf.copy_(saved)
+        torch._dynamo.reset()
+        got = torch.compile(reread, backend=specpass.backend(handoff="eager", argmax=False))(x)
+        torch.testing.assert_close(got, want)
+
+
+def test_matmul_flops_in_the_report():
+    _, result = _rewrite(last, Draft(), *_inputs())
+    (finding,) = result.report.rewrites
+
+    def flops(rows):  # q_proj, attention (QK^T and PV over S slots), o_proj, lm_head
+        return 2 * rows * H * H + 2 * rows * S * (H + H) + 2 * rows * H * H + 2 * rows * H * V
+
+    assert finding.rows == (B * T, B)
+    assert finding.matmul_flops == (flops(B * T), flops(B))
