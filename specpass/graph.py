@@ -60,3 +60,23 @@ def is_impure(node: fx.Node) -> bool:
         if dropout == 0.0:
             return False
     return node.is_impure()
+
+
+def bind(node: fx.Node) -> dict[str, Any]:
+    """An ATen node's arguments by schema name, defaults filled in."""
+    bound = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        else:
+            bound[arg.name] = arg.default_value if arg.has_default_value() else None
+    return bound
+
+
+def op_name(target: Any) -> str:
+    """A short op name for messages: `softmax` for aten.softmax.int."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    return getattr(target, "__name__", str(target))

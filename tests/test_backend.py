@@ -18,10 +18,13 @@ from specpass.report import Finding
 aten = torch.ops.aten
 
 
-def _toy(batch=2, T=4):
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # CI has no GPU; the GPU machine runs both
+
+
+def _toy(batch=2, T=4, device="cpu"):
     torch.manual_seed(0)
-    model = ToyDraft(batch=batch).eval()
-    return model, torch.randint(0, 64, (batch, T)), torch.arange(T)
+    model = ToyDraft(batch=batch).eval().to(device)
+    return model, torch.randint(0, 64, (batch, T), device=device), torch.arange(T, device=device)
 
 
 def _run(model, backend, tokens, positions, **compile_kwargs):
@@ -55,20 +58,26 @@ def broken_pass(gm, options):
     raise RuntimeError("injected failure")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("handoff", ["eager", "inductor"])
 @pytest.mark.parametrize("form", ["module", "entry_point", "factory"])
-def test_backend_forms_match_eager(form, handoff):
-    model, tokens, positions = _toy()
+def test_backend_forms_match_eager(form, handoff, device):
+    model, tokens, positions = _toy(device=device)
     backend = {"module": specpass, "entry_point": "specpass", "factory": specpass.backend(handoff=handoff)}[form]
     options = {"handoff": handoff} if form != "factory" else None
     expected = _run(model, None, tokens, positions)
     _assert_same(_run(model, backend, tokens, positions, options=options), expected)
 
 
-def test_reduce_overhead_mode_is_forwarded():
-    model, tokens, positions = _toy()
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["module", "entry_point", "factory"])
+def test_reduce_overhead_mode_is_forwarded(form, device):
+    model, tokens, positions = _toy(device=device)
+    backend = {"module": specpass, "entry_point": "specpass", "factory": specpass.backend()}[form]
     expected = _run(model, None, tokens, positions)
-    _assert_same(_run(model, specpass, tokens, positions, mode="reduce-overhead"), expected)
+    for _ in range(3):  # CUDA graphs: recorded, then replayed
+        got = _run(model, backend, tokens, positions, mode="reduce-overhead")
+        _assert_same(got, expected)
 
 
 def test_inductor_options_are_forwarded_and_validated():

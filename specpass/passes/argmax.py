@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from specpass.graph import emit, val
+from specpass.graph import bind, emit, op_name, val
 from specpass.options import Options
 from specpass.report import Finding
 
@@ -155,21 +155,6 @@ def _consumers(sm: fx.Node) -> list[tuple[fx.Node, list[torch.dtype], list[fx.No
 
 def _position(node: fx.Node) -> int:
     return next(i for i, n in enumerate(node.graph.nodes) if n is node)
-
-
-def bind(node: fx.Node) -> dict[str, Any]:
-    """The node's arguments by schema name, defaults filled in."""
-    bound = {}
-    for i, arg in enumerate(node.target._schema.arguments):
-        if i < len(node.args) and not arg.kwarg_only:
-            bound[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            bound[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            bound[arg.name] = arg.default_value
-        else:
-            bound[arg.name] = None
-    return bound
 
 
 class _Softmax:
@@ -351,12 +336,12 @@ class _Softmax:
             for node in values_out:
                 node.replace_all_uses_with(values)
         kind = "log_softmax" if self.is_log else "softmax"
-        return f"{kind} -> {_op_name(target)} along dim {self.dim}: " + ("; ".join(what) or "outputs unused")
+        return f"{kind} -> {op_name(target)} along dim {self.dim}: " + ("; ".join(what) or "outputs unused")
 
     def check(self, consumer: fx.Node) -> tuple[list[int], int]:
         """The consumer's reduced axes (normalised) and k; refuses what the rule does not cover."""
         target, args = consumer.target, bind(consumer)
-        op = _op_name(target)
+        op = op_name(target)
         if target in _SMALLEST or (target is aten.topk.default and not args["largest"]):
             raise _Refuse(f"{op} takes the smallest probabilities; they underflow to ties at 0, "
                           "so the order of the softmax input does not reproduce the original's choice")
@@ -414,7 +399,7 @@ def _check_prefix(s: fx.Node) -> None:
         elif not is_div and isinstance(b, fx.Node) and not isinstance(a, fx.Node):
             number, node = a, b
         else:
-            raise _Refuse(f"temperature in {scale.name} ({_op_name(scale.target)}) is a tensor; its sign is unknown")
+            raise _Refuse(f"temperature in {scale.name} ({op_name(scale.target)}) is a tensor; its sign is unknown")
         if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise _Refuse(f"temperature {number!r} in {scale.name} is not a real Python number")
         if not (number > 0 and math.isfinite(number)):
@@ -449,9 +434,3 @@ def _mutates(user: fx.Node, arg: fx.Node) -> bool:
         if a.alias_info is not None and a.alias_info.is_write and bound.get(a.name) is arg:
             return True
     return False
-
-
-def _op_name(target: Any) -> str:
-    from specpass.testing import op_name
-
-    return op_name(target)

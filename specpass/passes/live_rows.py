@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from specpass.graph import emit, is_impure, is_mutation, set_val, val
+from specpass.graph import bind, emit, is_impure, is_mutation, op_name, set_val, val
 from specpass.options import Options
 from specpass.report import Finding, node_matmul_flops
 
@@ -316,17 +316,6 @@ class Gather:
     expand_to: tuple[int, ...] | None = None  # expand along broadcast selected axes first
 
 
-def _arg(node: fx.Node, name: str) -> Any:
-    for i, a in enumerate(node.target._schema.arguments):
-        if a.name == name:
-            if i < len(node.args):
-                return node.args[i]
-            if name in node.kwargs:
-                return node.kwargs[name]
-            return a.default_value if a.has_default_value() else None
-    raise KeyError(name)
-
-
 def _shape(x: Any) -> list[int]:
     return list(val(x).shape)
 
@@ -342,12 +331,6 @@ def _same_axes(x: fx.Node, rank: int, expandable: bool = False) -> Operand:
 
 def _drop_axis(x: fx.Node, out_rank: int, dropped: int) -> Operand:
     return Operand(x, [i if i < dropped else i + 1 for i in range(out_rank)], out_rank + 1)
-
-
-def _op_name(target: Any) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return target.overloadpacket.__name__
-    return getattr(target, "__name__", str(target))
 
 
 _DIM_OPS = {  # op -> (dims argument, keepdim argument; None: the op keeps every axis)
@@ -388,7 +371,7 @@ _NORMS = {aten.rms_norm.default, aten.layer_norm.default, aten.native_layer_norm
 def _rule(node: fx.Node, spec: Rows, options: Options) -> Rule:
     """How `node`'s rows map onto its operands; Stop(reason) if it is not row-local for `spec`."""
     target, out_shape = node.target, _out_shape(node)
-    rank, name = len(out_shape), _op_name(node.target)
+    rank, name = len(out_shape), op_name(node.target)
     if target is operator.getitem:
         element = list(val(node.args[0])[node.args[1]].shape)
         return Rule([Operand(node.args[0], list(range(rank)), rank, shape=element)])
@@ -413,20 +396,20 @@ def _rule(node: fx.Node, spec: Rows, options: Options) -> Rule:
         perm[d0], perm[d1] = perm[d1], perm[d0]
         return Rule([Operand(node.args[0], perm, rank)])
     if target in (aten.select.int, aten.unbind.int):
-        return Rule([_drop_axis(node.args[0], rank, _arg(node, "dim") % (rank + 1))])
+        return Rule([_drop_axis(node.args[0], rank, bind(node)["dim"] % (rank + 1))])
     if target is aten.stack.default:
-        dim = _arg(node, "dim") % rank
+        dim = bind(node)["dim"] % rank
         if dim in spec.axes:
             raise Stop(f"stack creates the selected axis {dim}")
         return Rule([Operand(t, [None if i == dim else i - (i > dim) for i in range(rank)], rank - 1)
                      for t in node.args[0]])
     if target in _NORMS:
-        normalized = len(_arg(node, "normalized_shape"))
+        normalized = len(bind(node)["normalized_shape"])
         if any(a >= rank - normalized for a in spec.axes):
             raise Stop(f"{name} normalises over the selected axis")
         return Rule([_same_axes(node.args[0], rank)])
     if target is aten.linear.default:
-        x, w, b = node.args[0], node.args[1], _arg(node, "bias")
+        x, w, b = node.args[0], node.args[1], bind(node)["bias"]
         ops = [Operand(x, list(range(rank - 1)) + [None], rank), Operand(w, [None] * (rank - 1) + [0], 2)]
         if isinstance(b, fx.Node):
             ops.append(Operand(b, [None] * (rank - 1) + [0], 1))
@@ -449,14 +432,14 @@ def _rule(node: fx.Node, spec: Rows, options: Options) -> Rule:
     if target is aten.index.Tensor:
         return _advanced_index(node, out_shape)
     if target is aten.gather.default:
-        dim = _arg(node, "dim") % rank
+        dim = bind(node)["dim"] % rank
         if dim in spec.axes:
             raise Stop(f"gather along the selected axis {dim}")
         x, index = node.args[0], node.args[2]
         x_axes = [a if a == dim or _shape(x)[a] == out_shape[a] else None for a in range(rank)]
         return Rule([Operand(x, x_axes, rank), _same_axes(index, rank)])
     if target in _SCATTERS:
-        if _arg(node, "dim") % rank in spec.axes:
+        if bind(node)["dim"] % rank in spec.axes:
             raise Stop(f"{name} along the selected axis")
         operands = [a for a in (node.args[0], node.args[2], *node.args[3:4]) if isinstance(val(a), torch.Tensor)]
         return Rule([_same_axes(a, rank) for a in operands])
@@ -467,14 +450,15 @@ def _rule(node: fx.Node, spec: Rows, options: Options) -> Rule:
 
 def _dim_op(node: fx.Node, spec: Rows) -> Rule:
     dim_name, keep_name = _DIM_OPS[node.target]
-    name = _op_name(node.target)
+    name = op_name(node.target)
     inputs = node.args[0] if node.target is aten.cat.default else [node.args[0]]
     in_rank = len(_shape(inputs[0]))
-    dims = _arg(node, dim_name)
+    args = bind(node)
+    dims = args[dim_name]
     if dims is None or (isinstance(dims, (list, tuple)) and not dims):
         raise Stop(f"{name} reduces over every axis")
     dims = {d % in_rank for d in ([dims] if isinstance(dims, int) else dims)} if in_rank else set()
-    keepdim = keep_name is None or bool(_arg(node, keep_name))
+    keepdim = keep_name is None or bool(args[keep_name])
     kept = list(range(in_rank)) if keepdim else [d for d in range(in_rank) if d not in dims]
     mixed = sorted(dims & {kept[a] for a in spec.axes})
     if mixed:
@@ -509,8 +493,8 @@ def _attention(node: fx.Node, spec: Rows, rank: int, options: Options) -> Rule:
     """Row-local in the query (and batch) axes: each output row reads its own query row, its own
     mask row, and all of K/V — so gathering query and mask rows is exact (the Q-slice)."""
     q, k, v = node.args[:3]
-    mask = _arg(node, "attn_mask")
-    if _arg(node, "dropout_p"):
+    mask = bind(node)["attn_mask"]
+    if bind(node)["dropout_p"]:
         raise Stop("attention with dropout")
     query = rank - 2
     if query in spec.axes and not options.q_slice:
@@ -700,7 +684,7 @@ def _plan(g: _Graph, node: fx.Node, spec: Rows, options: Options) -> dict[fx.Nod
         provided |= axes
     required = {spec.axis} if isinstance(spec, PerBatch) else set(spec.axes)
     if rule.needs_carrier and not required <= provided:
-        raise Stop(f"{_op_name(node.target)} creates the selected rows")
+        raise Stop(f"{op_name(node.target)} creates the selected rows")
     return plans
 
 
@@ -727,8 +711,8 @@ def _as_rows(g: _Graph, node: fx.Node) -> Candidate | None:
         i = node.args[2] % shape[dim]
         return Candidate(x, Static(dim, i, i + 1)) if shape[dim] > 1 else None
     if target is aten.slice.Tensor:
-        dim = _arg(node, "dim") % rank
-        r = range(shape[dim])[slice(_arg(node, "start"), _arg(node, "end"), _arg(node, "step"))]
+        dim = bind(node)["dim"] % rank
+        r = range(shape[dim])[slice(bind(node)["start"], bind(node)["end"], bind(node)["step"])]
         if len(r) == shape[dim] and r.step == 1:
             return None
         return Candidate(x, Static(dim, r.start, r.stop, r.step))
@@ -827,7 +811,7 @@ def _analyse(g: _Graph, candidates: dict[fx.Node, Candidate], options: Options) 
     def demand_all(node: fx.Node) -> None:
         candidate = candidates.get(node)
         if is_mutation(node):
-            reason = f"used by the in-place {_op_name(node.target)} {node.name}"
+            reason = f"used by the in-place {op_name(node.target)} {node.name}"
         elif node.target is operator.getitem or node.target in _VIEWS:
             reason = live.why[node]  # views pass the reason through
         else:
@@ -857,7 +841,7 @@ def _analyse(g: _Graph, candidates: dict[fx.Node, Candidate], options: Options) 
         specs = {spec for spec, _ in wanted}
         if is_mutation(node):
             live.need[node] = FULL
-            live.why[node] = f"an in-place {_op_name(node.target)}"
+            live.why[node] = f"an in-place {op_name(node.target)}"
             demand_all(node)
             continue
         if node.op != "call_function":
@@ -954,7 +938,7 @@ def _rewrite(g: _Graph, node: fx.Node, spec: Rows, operands: dict[fx.Node, fx.No
     if node.target in _RESHAPES or node.target is aten.expand.default:
         node.target = aten.reshape.default if node.target in _RESHAPES else aten.expand.default
         args, kwargs = (args[0], want[0]), {}
-    elif node.target is aten.scaled_dot_product_attention.default and _arg(node, "is_causal") \
+    elif node.target is aten.scaled_dot_product_attention.default and bind(node)["is_causal"] \
             and len(_shape(node.args[0])) - 2 in spec.axes:
         names = [a.name for a in node.target._schema.arguments]
         kwargs = dict(zip(names[3:], args[3:])) | kwargs

@@ -1,0 +1,160 @@
+"""EAGLE-3 catch-up step: plain Inductor vs specpass vs the hand-placed Q-slice, side by side.
+
+The Llama-3-8B-shaped EAGLE-3 head (hidden 4096, 32/8 heads, MLP 14336, draft vocab 32000),
+bf16, KV cache 2048 per request. Each step runs `spec_num_tokens` rows per request, writes all
+their K/V and samples one live row per request (a different one for each request).
+
+Each variant is compiled once by Inductor and timed twice: launched as is, and captured into
+one CUDA graph per shape (as an engine replays its draft step). Median ms per step.
+
+    python benchmarks/catchup.py --out results.json             # the full sweep, on a GPU
+    python benchmarks/catchup.py --device cpu --quick           # a smoke test of the script
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # models/ lives in the repo root
+
+import specpass  # noqa: E402
+from models import zoo  # noqa: E402
+from models.eagle3 import Eagle3Config  # noqa: E402
+from models.layers import apply_rope, attend, rope, select_live, write_cache  # noqa: E402
+
+
+def hand_q_slice(head):
+    """The catch-up step with the live-row gather placed by hand right after the KV write,
+    query side included (TokenSpeed PR #217's layout for the Llama EAGLE-3 head)."""
+    layer, cfg = head.midlayer, head.config
+    attn = layer.self_attn
+
+    def step(tokens, positions, hidden, live):
+        B, T = tokens.shape
+        hidden = head.fc(hidden)  # [B, T, H]
+        x = torch.cat([layer.input_layernorm(head.embed_tokens(tokens)), layer.hidden_norm(hidden)], dim=-1)
+        cos, sin = rope(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        k = apply_rope(attn.k_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim), cos, sin)
+        write_cache(attn.k_cache, positions, k)  # every row's K/V
+        write_cache(attn.v_cache, positions, attn.v_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim))
+        rows = torch.arange(B, device=tokens.device)
+        pick = lambda t: t[rows, live][:, None]  # [B, 1, ...]: the live row only from here on
+        q = apply_rope(attn.q_proj(pick(x)).view(B, 1, attn.n_heads, attn.head_dim), pick(cos), pick(sin))
+        mask = head.mask(pick(positions))  # [B, 1, 1, S]
+        out = attend(q, attn.k_cache, attn.v_cache, mask, attn.head_dim**-0.5).reshape(B, 1, -1)
+        h = pick(hidden) + attn.o_proj(out)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return head.lm_head(head.norm(h))[:, 0], h[:, 0]
+
+    return step
+
+
+def _replayable(fn, args, graph: bool):
+    """`fn` itself, or a replay of one CUDA graph captured from it."""
+    if not graph:
+        return lambda: fn(*args)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    cuda_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cuda_graph):
+        fn(*args)
+    return cuda_graph.replay
+
+
+def median_ms(variants: dict, args, iters: int, graph: bool) -> dict[str, float]:
+    """Median ms per call of each variant; the variants take turns, so drift hits them alike."""
+    calls = {name: _replayable(fn, args, graph) for name, fn in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(iters + 5):
+        for name, call in calls.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            if i >= 5:  # warm-up
+                times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2, 4, 8], help="spec_num_tokens")
+    parser.add_argument("--cache", type=int, default=2048)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--quick", action="store_true", help="a tiny head on the CPU: checks the script runs")
+    parser.add_argument("--out", type=pathlib.Path)
+    args = parser.parse_args()
+
+    if args.quick:
+        config, dtype, args.batch, args.tokens, args.cache = zoo.config("tiny-llama-eagle3"), torch.float32, [2], [4], 64
+    else:
+        config, dtype = zoo.config("llama3-8b-eagle3"), torch.bfloat16
+    assert isinstance(config, Eagle3Config)
+    head = zoo.build(config, device=args.device, dtype=dtype)
+    torch.set_grad_enabled(False)
+    torch._dynamo.config.recompile_limit = 64  # one compile per shape and variant
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(f"device {device_name}, torch {torch.__version__}")
+
+    results = []
+    for B in args.batch:
+        head.setup_caches(B, args.cache, device=args.device, dtype=dtype)
+        for T in args.tokens:
+            g = torch.Generator(device=args.device).manual_seed(B * 100 + T)
+            start = torch.randint(0, args.cache - T, (B, 1), device=args.device, generator=g)
+            inputs = (
+                torch.randint(0, config.vocab_size, (B, T), device=args.device, generator=g),
+                start + torch.arange(T, device=args.device),  # [B, T] positions
+                torch.randn(B, T, 3 * config.target_hidden_size, device=args.device, dtype=dtype, generator=g),
+                torch.randint(0, T, (B,), device=args.device, generator=g),  # live row per request
+            )
+            variants = {
+                "inductor": torch.compile(head.catch_up, dynamic=False),
+                "specpass": torch.compile(head.catch_up, backend=specpass, dynamic=False),
+                "hand": torch.compile(hand_q_slice(head), dynamic=False),
+            }
+            outputs = {name: [t.clone() for t in fn(*inputs)] for name, fn in variants.items()}
+            reference = head.catch_up(*inputs)
+            row = {"batch": B, "tokens": T}
+            for name, (logits, hidden) in outputs.items():
+                row[f"{name}_argmax_agree"] = (logits.argmax(-1) == reference[0].argmax(-1)).float().mean().item()
+                row[f"{name}_max_err"] = (logits.float() - reference[0].float()).abs().max().item()
+            if args.device == "cuda":
+                for suffix, graph in (("_ms", False), ("_graph_ms", True)):
+                    for name, ms in median_ms(variants, inputs, args.iters, graph).items():
+                        row[name + suffix] = ms
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:  # partial results survive a time-out
+                args.out.write_text(json.dumps(results, indent=1))
+    report = specpass.explain(head.catch_up, *inputs)
+    print(report)
+    if args.out:
+        args.out.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "results": results,
+                                        "report": str(report)}, indent=1))
+    if args.device != "cuda":
+        return
+    print("\n| T | bs | Inductor | specpass | hand Q-slice | specpass / hand | speedup | "
+          "Inductor (graph) | specpass (graph) | hand (graph) | specpass / hand | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        cells = []
+        for suffix in ("_ms", "_graph_ms"):
+            base, ours, hand = (r[f"{n}{suffix}"] for n in ("inductor", "specpass", "hand"))
+            cells += [f"{base:.3f}", f"{ours:.3f}", f"{hand:.3f}", f"{ours / hand:.3f}", f"{base / ours:.2f}x"]
+        print(f"| {r['tokens']} | {r['batch']} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
