@@ -24,7 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # models/ 
 import specpass  # noqa: E402
 from models import zoo  # noqa: E402
 from models.eagle3 import Eagle3Config  # noqa: E402
-from models.layers import apply_rope, attend, rope, select_live, write_cache  # noqa: E402
+from models.layers import apply_rope, attend, rope, write_cache  # noqa: E402
 
 
 def hand_q_slice(head):
@@ -127,7 +127,7 @@ def main() -> None:
             outputs = {name: [t.clone() for t in fn(*inputs)] for name, fn in variants.items()}
             reference = head.catch_up(*inputs)
             row = {"batch": B, "tokens": T}
-            for name, (logits, hidden) in outputs.items():
+            for name, (logits, _) in outputs.items():
                 row[f"{name}_argmax_agree"] = (logits.argmax(-1) == reference[0].argmax(-1)).float().mean().item()
                 row[f"{name}_max_err"] = (logits.float() - reference[0].float()).abs().max().item()
             if args.device == "cuda":

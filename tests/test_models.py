@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from models import zoo
-from models.checkpoint import load, save
-from models.llama import Llama
 
 B, S = 3, 24  # requests, cache slots
 N = 18  # sequence length of the reference prefill
@@ -189,7 +187,7 @@ def test_target_decode_matches_prefill_and_stale_slots_are_hidden():
             attn.k_cache.normal_()
             attn.v_cache.normal_()
         pos = torch.zeros(B, dtype=torch.long)
-        for step in range(6):  # chunks of 3: positions p..p+2, a different p per request
+        for _ in range(6):  # chunks of 3: positions p..p+2, a different p per request
             chunk = pos[:, None] + torch.arange(3)
             out = model(take(tokens, chunk), chunk)
             close(out, take(full, chunk))

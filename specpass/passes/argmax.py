@@ -189,11 +189,11 @@ class _Softmax:
         rows = math.prod(self.shape) // max(vocab, 1)
         if self.dim != self.ndim - 1 or rows == 0:
             return
-        want = min(-(-CHUNK_ROWS // rows), vocab // CHUNK_MIN)
+        want = min(_ceil_div(CHUNK_ROWS, rows), vocab // CHUNK_MIN)
         if want < 2:
             return
-        chunk = -(-(-(-vocab // want)) // CHUNK_ALIGN) * CHUNK_ALIGN
-        chunks = -(-vocab // chunk)
+        chunk = _ceil_div(_ceil_div(vocab, want), CHUNK_ALIGN) * CHUNK_ALIGN
+        chunks = _ceil_div(vocab, chunk)
         if chunks >= (2 if values else 4):
             self.chunks, self.chunk = chunks, chunk
 
@@ -362,6 +362,10 @@ class _Softmax:
         if k > 1 and dims != [self.dim]:
             raise _Refuse("topk over a reshaped axis")
         return dims, k
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _outputs(consumer: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-import re
 from collections import defaultdict
 from typing import Any, Union
 
@@ -114,9 +113,7 @@ def _remap(spec: Rows, axis_map: dict[int, int]) -> Rows:
 def gathered_shape(spec: Rows, shape: list[int]) -> list[int]:
     """Shape of `x` gathered by `spec`, rank kept."""
     shape = list(shape)
-    if isinstance(spec, Static):
-        shape[spec.axis] = spec.rows
-    elif isinstance(spec, PerBatch):
+    if isinstance(spec, (Static, PerBatch)):
         shape[spec.axis] = spec.rows
     else:
         for a in spec.axes:
@@ -759,7 +756,6 @@ def _advanced_index_rows(g: _Graph, node: fx.Node, x: fx.Node, shape: list[int])
     p = used[0]
     leaves = [_index_leaf(g, node, indices[i]) for i in used]
     bshape = list(torch.broadcast_shapes(*[val(t).shape for t in leaves]))
-    device = val(leaves[0]).device
     B = shape[p]
     if len(used) == 2 and _is_arange(leaves[0], B) and _shape(leaves[0]) == ([B] if len(bshape) == 1 else [B, 1]):
         # x[arange(B), idx] / x[arange(B)[:, None], idx]: rows idx[b] of request b
