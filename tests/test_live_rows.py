@@ -74,7 +74,49 @@ def greedy_last(m, x, pos, live):
     return m.logits(x, pos).argmax(-1)[:, -1]
 
 
-FORMS = [last, per_request, flat_static, flat_runtime, last_two, narrow_last, gather_live, greedy_last]
+def first_request(m, x, pos, live):
+    return m.logits(x, pos)[0]
+
+
+def last_of_last_two(m, x, pos, live):
+    return m.logits(x, pos)[:, -2:][:, -1]  # one range of the same axis
+
+
+def vocab_prefix(m, x, pos, live):
+    return m.logits(x, pos)[:, -1, : V - 3]  # the row moves; the vocabulary slice stays after it
+
+
+def every_other(m, x, pos, live):
+    return m.logits(x, pos)[:, ::2]
+
+
+def centered(m, x, pos, live):
+    h = m.hidden(x, pos)
+    return F.linear(h - h.mean(1, keepdim=True), m.head)[:, -1]  # the token mean is kept whole
+
+
+def two_rows_per_request(m, x, pos, live):
+    rows = torch.stack([live, (live + 1) % x.shape[1]], 1)  # [B, 2]
+    return m.logits(x, pos)[torch.arange(x.shape[0])[:, None], rows]
+
+
+def negative_live(m, x, pos, live):
+    return m.logits(x, pos)[torch.arange(x.shape[0]), live - x.shape[1]]
+
+
+FORMS = [last, per_request, flat_static, flat_runtime, last_two, narrow_last, gather_live, greedy_last,
+         first_request, last_of_last_two, vocab_prefix, every_other, centered, two_rows_per_request, negative_live]
+
+
+@pytest.mark.parametrize("form, rows", [(last, (12, 3)), (per_request, (12, 3)), (flat_static, (12, 3)),
+                                        (flat_runtime, (12, 3)), (last_two, (12, 6)), (gather_live, (12, 3)),
+                                        (first_request, (3, 1)), (last_of_last_two, (6, 3)), (vocab_prefix, (12, 3)),
+                                        (every_other, (12, 6)), (centered, (12, 3)), (two_rows_per_request, (12, 6)),
+                                        (negative_live, (12, 3))], ids=lambda f: getattr(f, "__name__", ""))
+def test_each_form_fires(form, rows):
+    _, result = _rewrite(form, Draft(), *_inputs())
+    (finding,) = result.report.rewrites
+    assert finding.rows == rows
 
 
 def _inputs(batch=B, rows=T):

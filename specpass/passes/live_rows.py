@@ -670,6 +670,9 @@ def _plan(g: _Graph, node: fx.Node, spec: Rows, options: Options) -> dict[fx.Nod
         x = node.args[0]
         inner = _through_reshape(g, spec, _shape(x), _out_shape(node), val(x).device)
         return {x: Keep() if inner is None else Gather(inner)}
+    composed = _compose(node, spec)
+    if composed is not None:
+        return {node.args[0]: Gather(composed)}
     rule = _rule(node, spec, options)
     out_shape = _out_shape(node)
     plans: dict[fx.Node, Keep | Gather] = {}
@@ -683,6 +686,17 @@ def _plan(g: _Graph, node: fx.Node, spec: Rows, options: Options) -> dict[fx.Nod
     if rule.needs_carrier and not required <= provided:
         raise Stop(f"{op_name(node.target)} creates the selected rows")
     return plans
+
+
+def _compose(node: fx.Node, spec: Rows) -> Static | None:
+    """A range of a range of the same axis (`x[:, -4:][:, -1]`) is one range of x."""
+    if node.target is aten.select.int:  # it drops its axis: the selection is on another one
+        return None
+    candidate = _as_static(node)
+    if candidate is None or not isinstance(spec, Static) or candidate.axis != spec.axis:
+        return None
+    outer = range(candidate.start, candidate.stop, candidate.step)[spec.start : spec.stop : spec.step]
+    return Static(spec.axis, outer.start, outer.stop, outer.step)
 
 
 # ----------------------------------------------------------------------------- gathers
@@ -703,20 +717,9 @@ def _as_rows(g: _Graph, node: fx.Node) -> Candidate | None:
         return None
     shape = _shape(x)
     rank = len(shape)
-    if target is aten.select.int:
-        dim = node.args[1] % rank
-        i = node.args[2] % shape[dim]
-        return Candidate(x, Static(dim, i, i + 1)) if shape[dim] > 1 else None
-    if target is aten.slice.Tensor:
-        dim = bind(node)["dim"] % rank
-        r = range(shape[dim])[slice(bind(node)["start"], bind(node)["end"], bind(node)["step"])]
-        if len(r) == shape[dim] and r.step == 1:
-            return None
-        return Candidate(x, Static(dim, r.start, r.stop, r.step))
-    if target is aten.narrow.default:
-        dim = node.args[1] % rank
-        start = node.args[2] % shape[dim]
-        return Candidate(x, Static(dim, start, start + node.args[3]))
+    static = _as_static(node)
+    if static is not None:
+        return Candidate(x, static) if static.rows < shape[static.axis] else None
     if target is aten.index_select.default:
         ids = _index_leaf(g, node, node.args[2])
         return Candidate(x, Flat((node.args[1] % rank,), g.index_op(aten.reshape.default, ids, [-1])))
@@ -725,6 +728,22 @@ def _as_rows(g: _Graph, node: fx.Node) -> Candidate | None:
     if target is aten.gather.default:
         return _gather_rows(g, node, x, shape)
     return None
+
+
+def _as_static(node: fx.Node) -> Static | None:
+    """select / slice / narrow as a range of one axis of their input."""
+    if node.target not in (aten.select.int, aten.slice.Tensor, aten.narrow.default):
+        return None
+    args, shape = bind(node), _shape(node.args[0])
+    dim = args["dim"] % len(shape)
+    if node.target is aten.select.int:
+        i = args["index"] % shape[dim]
+        return Static(dim, i, i + 1)
+    if node.target is aten.narrow.default:
+        start = args["start"] % shape[dim]
+        return Static(dim, start, start + args["length"])
+    r = range(shape[dim])[args["start"] : args["end"] : args["step"]]
+    return Static(dim, r.start, r.stop, r.step)
 
 
 def _index_leaf(g: _Graph, gather: fx.Node, index: fx.Node) -> fx.Node:
@@ -847,6 +866,12 @@ def _analyse(g: _Graph, candidates: dict[fx.Node, Candidate], options: Options) 
             stay_full(node, next((r for s, r in wanted if s == FULL), "its users need different rows"))
             continue
         spec = specs.pop()
+        if node in candidates and _compose(node, spec) is None and \
+                _kept(candidates[node].spec, _shape(candidates[node].source)) < _kept(spec, _out_shape(node)):
+            # A gather of a gather on another axis, one selection per tensor: the one that keeps
+            # fewer elements moves (logits[:, -1][:, :V] moves the -1), the other stays after it.
+            stay_full(node, "a row gather that keeps fewer rows than its users' selection")
+            continue
         try:
             live.plans[node] = _pull(g, node, spec, options, candidates)
         except Stop as stop:
@@ -976,6 +1001,11 @@ def _emit(g: _Graph, live: _Liveness, candidates: dict[fx.Node, Candidate]) -> N
                 set_val(node)
 
 
+def _kept(spec: Rows, shape: list[int]) -> float:
+    """The fraction of a tensor's elements a selection keeps."""
+    return math.prod(gathered_shape(spec, shape)) / math.prod(shape)
+
+
 def _fired(candidate: Candidate, live: _Liveness) -> bool:
     return candidate.source in live.plans and live.need[candidate.source] == candidate.spec
 
@@ -999,8 +1029,7 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
         except Stop as stop:
             findings.append(Finding(NAME, node.name, False, str(stop)))
             continue
-        if candidate is not None and math.prod(gathered_shape(candidate.spec, _shape(candidate.source))) \
-                < math.prod(_shape(candidate.source)):  # a permutation saves nothing
+        if candidate is not None and _kept(candidate.spec, _shape(candidate.source)) < 1:  # a permutation saves nothing
             candidates[node] = candidate
     g.refresh()
     live = _analyse(g, candidates, options)
