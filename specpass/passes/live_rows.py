@@ -131,6 +131,7 @@ class _Graph:
     def __init__(self, graph: fx.Graph):
         self.graph = graph
         self._memo: dict[tuple, fx.Node] = {}
+        self._hoisted: set[fx.Node] = set()
         self.per_request: dict[fx.Node, tuple[fx.Node, int, int]] = {}  # flat ids -> (index [B, k], B, T)
         self.spread: dict[fx.Node, tuple[fx.Node, list[int]]] = {}  # index -> (coarser index, axis sizes)
         self.refresh()
@@ -173,10 +174,14 @@ class _Graph:
         return self.index_op(aten.arange.start_step, start, stop, step, dtype=torch.int64, device=device)
 
     def hoist(self, node: fx.Node) -> None:
-        """Move the pure computation of `node` as early as its inputs allow, but never across a
-        write to something it reads."""
-        if node.op != "call_function" or is_impure(node):
+        """Move the pure integer computation of `node` (an index) as early as its inputs allow,
+        but never across a write to something it reads. Float values are not index arithmetic:
+        an index computed from activations stays where it is."""
+        value = val(node)
+        if node in self._hoisted or node.op != "call_function" or is_impure(node) \
+                or not isinstance(value, torch.Tensor) or value.is_floating_point():
             return
+        self._hoisted.add(node)  # shared inputs are visited once
         for a in node.all_input_nodes:
             self.hoist(a)
         anchor = self._after(node.all_input_nodes)
