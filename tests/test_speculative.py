@@ -1,0 +1,221 @@
+"""The speculative loop is lossless: for every drafter, K and batch of mixed prompt lengths, the
+tokens equal the target's own greedy decoding; EOS, budgets, one host sync per round, the compiled
+forms (fused round included), the live-row rewrite on the catch-up step, and the example CLI.
+fp32, CPU, tiny zoo models."""
+
+import copy
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import specpass
+from models import zoo
+from models.checkpoint import save
+from models.drafters import ZooDrafter
+from specpass.speculative import Decoder
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
+NEW = 24
+MAX_LEN = 9 + NEW + 2 * 5 + 1
+DRAFTS = ["tiny-llama-eagle3", "tiny-deepseek-eagle3-mla", "tiny-deepseek-nextn", "tiny-qwen3.5-nextn",
+          "tiny-qwen3.5-moe-nextn", "tiny-llama-draft", "noisy-copy"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return zoo.build("tiny-llama", seed=0)
+
+
+def drafter(name, target):
+    if name == "noisy-copy":  # a standalone draft that agrees with the target often, not always
+        model = copy.deepcopy(target)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.3 * p.std() * torch.randn(p.shape, generator=g))
+        return ZooDrafter(model)
+    if name == "copy":
+        return ZooDrafter(copy.deepcopy(target))
+    return ZooDrafter(zoo.build(name, seed=3))
+
+
+def greedy(target, prompts=PROMPTS, new=NEW, **kw):
+    return Decoder(target, None, max_batch=len(prompts), max_len=MAX_LEN, compile="eager").generate(prompts, new, **kw)
+
+
+def speculate(target, name, k, prompts=PROMPTS, new=NEW, max_batch=None, **kw):
+    options = {key: kw.pop(key) for key in ("compile", "fused_round") if key in kw}
+    dec = Decoder(target, drafter(name, target), k=k, max_batch=max_batch or len(prompts), max_len=MAX_LEN,
+                  **{"compile": "eager", **options})
+    return dec.generate(prompts, new, **kw)
+
+
+@torch.no_grad()
+def full_recompute(target, prompt, new):
+    """Greedy decoding by recomputing the whole sequence each token, one request, fresh caches."""
+    seq = list(prompt)
+    for _ in range(new):
+        target.setup_caches(1, len(seq))
+        logits = target(torch.tensor([seq]), torch.arange(len(seq))[None])
+        seq.append(int(logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_plain_decoding_is_greedy(target):
+    ref = [full_recompute(target, p, NEW) for p in PROMPTS]
+    out = greedy(target)
+    assert out.tokens == ref
+    assert out.metrics.accept_length == 1 and out.metrics.acceptance == []
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 5])
+@pytest.mark.parametrize("name", DRAFTS)
+def test_lossless(target, name, k):
+    ref = greedy(target)
+    out = speculate(target, name, k)
+    assert out.tokens == ref.tokens
+    m = out.metrics
+    assert m.new_tokens == NEW * len(PROMPTS) and len(m.acceptance) == k
+    assert 1 <= m.accept_length <= k + 1
+    assert all(a >= b for a, b in zip(m.acceptance, m.acceptance[1:]))  # accepting d_i needs d_1..d_{i-1}
+    if name == "noisy-copy":  # partial acceptance, different per request: the rollback paths ran
+        assert 1 < m.accept_length < k + 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 5])
+def test_copy_of_target_accepts_every_draft(target, k):
+    out = speculate(target, "copy", k, timing=True)
+    assert out.tokens == greedy(target).tokens
+    m = out.metrics
+    assert m.accept_length == k + 1 and m.acceptance == [1.0] * k
+    assert m.rounds == -(-(NEW - 1) // (k + 1))  # the prefill emits one token, each round k+1
+    assert set(m.phase_ms) == {"round", "draft", "verify", "catch_up"}
+
+
+def truncate_after(tokens, eos):
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@pytest.mark.parametrize("name", ["noisy-copy", "tiny-llama-eagle3"])
+def test_eos_mid_batch(target, name):
+    ref = greedy(target).tokens
+    eos = ref[1][5]  # the middle request stops at its 6th token (or earlier, if eos came before)
+    want = [truncate_after(r, eos) for r in ref]
+    assert len(want[1]) <= 6 and any(len(w) == NEW for w in want), "pick an EOS that stops one request only"
+    assert greedy(target, eos_id=eos).tokens == want
+    for k in (2, 5):
+        assert speculate(target, name, k, eos_id=eos).tokens == want
+    # per-request EOS: only the middle request has one
+    assert speculate(target, name, 3, eos_id=[-1, eos, -1]).tokens == [ref[0], want[1], ref[2]]
+
+
+def test_max_new_tokens_per_request_and_idle_rows(target):
+    ref = greedy(target).tokens
+    budgets = [3, 11, 1]
+    out = speculate(target, "noisy-copy", 4, max_batch=5, new=budgets)  # 2 idle rows in the batch
+    assert out.tokens == [r[:n] for r, n in zip(ref, budgets)]
+    assert out.metrics.new_tokens == sum(budgets)
+
+
+def test_one_host_sync_per_round(target, monkeypatch):
+    syncs = []
+    for method in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *args, _original=original, _name=method, **kwargs):
+            syncs.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    for name in ("tiny-llama-eagle3", "tiny-deepseek-nextn", "noisy-copy"):
+        syncs.clear()
+        out = speculate(target, name, 4, eos_id=7)
+        # one read per round, then the final read of tokens, counts and statistics
+        assert syncs == ["tolist"] * (out.metrics.rounds + 3), (name, syncs)
+
+
+def test_explain_catch_up_shows_the_live_row_gather(target):
+    k = 4
+    dec = Decoder(target, drafter("tiny-llama-eagle3", target), k=k, max_batch=3, max_len=MAX_LEN, compile="eager")
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 256, (3, k + 1), generator=g)
+    hidden = torch.randn(3, k + 1, 3 * target.config.hidden_size, generator=g)
+    args = (y, torch.tensor([4, 11, 2]), hidden, torch.tensor([0, 4, 2]))
+    report = specpass.explain(dec.catch_up_step, *args)
+    live = [f for f in report.of("live_rows") if f.fired]
+    assert live and live[0].rows == (3 * (k + 1), 3), str(report)
+    # The gather lands before attention (one query row per request), even though the sampled id
+    # then indexes d2t: an index computed from the rows, which must not be hoisted above them.
+    rewritten = specpass.rewrite(specpass.capture(dec.catch_up_step, *args)).graph_module
+    (attention,) = rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
+    assert attention.meta["val"].shape[-2] == 1
+    assert "only known after" not in str(report)  # the query projection runs on live rows too
+    assert any(f.fired for f in report.of("argmax")), str(report)  # the greedy softmax -> max
+
+
+class CountingBackend:
+    """specpass without Inductor (fast on CPU), counting the graphs it compiles."""
+
+    def __init__(self):
+        self.graphs = 0
+        self.inner = specpass.backend(handoff="eager")
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.graphs += 1
+        return self.inner(gm, example_inputs, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-eagle3", "tiny-llama-draft"])
+def test_compiled_and_fused_round_match_eager(target, name):
+    ref = greedy(target, eos_id=7)
+    k = 3
+    want = speculate(target, name, k, eos_id=7)
+    assert want.tokens == ref.tokens
+    for fused, graphs in ((False, 3), (True, 1)):
+        backend = CountingBackend()
+        out = speculate(target, name, k, compile=backend, fused_round=fused, eos_id=7)
+        assert out.tokens == ref.tokens
+        assert (out.metrics.accept_length, out.metrics.acceptance) == (want.metrics.accept_length,
+                                                                        want.metrics.acceptance)
+        assert backend.graphs == graphs  # draft step, verify, catch-up; or the whole round
+
+
+def run_example(*args):
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "generate.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_example_runs_with_no_arguments():
+    result = run_example()
+    assert result.returncode == 0, result.stderr
+    assert "mean accepted length:" in result.stdout
+    assert "acceptance per draft position:" in result.stdout
+    assert "tokens/s: speculative" in result.stdout and "plain target decoding" in result.stdout
+
+
+def test_example_check_with_a_standalone_draft(tmp_path):
+    for name, directory in (("tiny-llama", "t"), ("tiny-llama-draft", "d")):
+        model = zoo.build(dataclasses.replace(zoo.config(name), vocab_size=258), seed=0)
+        save(model, model.config, tmp_path / directory)
+    result = run_example("--target", tmp_path / "t", "--draft", tmp_path / "d", "--check", "--k", 2,
+                         "--max-new-tokens", 12, "--prompt", "ab", "--prompt", "hello")
+    assert result.returncode == 0, result.stderr
+    assert "check: every token equals plain greedy decoding: yes" in result.stdout
+
+
+def test_example_missing_and_mismatched_checkpoints(tmp_path):
+    result = run_example("--target", tmp_path / "nowhere", "--eagle", tmp_path / "nothing")
+    assert result.returncode == 2 and "config.json not found" in result.stderr
+    zoo.make_checkpoint("tiny-llama", tmp_path / "t")
+    model = zoo.build(dataclasses.replace(zoo.config("tiny-qwen3.5-nextn"), vocab_size=300, hidden_size=32))
+    save(model, model.config, tmp_path / "n")
+    result = run_example("--target", tmp_path / "t", "--nextn", tmp_path / "n")
+    assert result.returncode == 2
+    assert "vocabulary: the target has 256 tokens, the NextN draft 300" in result.stderr
+    assert "NextN hidden_size 32 != the target's hidden_size 64" in result.stderr
+
