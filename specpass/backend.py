@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from specpass.capture import to_aten_ir
+from specpass.capture import adopt_dynamo_inputs, to_aten_ir
 from specpass.options import Options
 from specpass.pipeline import run_passes
 from specpass.report import Report
@@ -55,6 +55,8 @@ def backend(**options: Any) -> Callable[..., Callable]:
         for error in result.report.errors:
             _warn(error)
         log_report(result.report)
+        for compiled in (result.graph_module, aten_gm):
+            adopt_dynamo_inputs(gm, compiled)
         if not result.report.rewrites:
             return handoff(result.graph_module, example_inputs)
         try:

@@ -49,6 +49,24 @@ def to_aten_ir(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
     return aten_gm
 
 
+def adopt_dynamo_inputs(dynamo_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> None:
+    """Give an IR graph Dynamo's metadata about its inputs (their sources, which are static
+    buffers). AOTAutograd reads it to keep parameters and KV caches as static inputs, so that
+    CUDA graphs (mode="reduce-overhead") accept their in-place writes instead of skipping."""
+    dynamo_inputs = list(dynamo_gm.graph.find_nodes(op="placeholder"))
+    aten_inputs = list(aten_gm.graph.find_nodes(op="placeholder"))
+    if len(dynamo_inputs) != len(aten_inputs) or any(True for _ in aten_gm.named_buffers()) \
+            or any(True for _ in aten_gm.named_parameters()):
+        return  # not 1:1: compile without it (CUDA graphs may then skip mutated inputs)
+    aten_gm.meta.update(dynamo_gm.meta)
+    if hasattr(dynamo_gm, "_param_name_to_source"):
+        aten_gm._param_name_to_source = dynamo_gm._param_name_to_source
+    for dynamo_node, aten_node in zip(dynamo_inputs, aten_inputs):
+        aten_node._dynamo_source = getattr(dynamo_node, "_dynamo_source", None)
+        if "tensor_dict" in dynamo_node.meta:
+            aten_node.meta["tensor_dict"] = dynamo_node.meta["tensor_dict"]
+
+
 def capture(fn: Callable, *args: Any, **kwargs: Any) -> fx.GraphModule:
     """Trace `fn(*args, **kwargs)` into the IR the backend compiles, without running it.
 

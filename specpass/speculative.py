@@ -197,7 +197,10 @@ class Decoder:
         pos = torch.where(active, state.pos + a + 1, state.pos)  # y_a, at n+a+1, is the new x_n
         last = torch.where(active, y.gather(1, a[:, None])[:, 0], state.last)
         status = torch.stack([done.all().long(), count.sum()])  # what the host reads each round
-        return state._replace(last=last, pos=pos, out=out, count=count, done=done, stats=stats), y, a, hidden, status
+        # State(...) spelled out: torch 2.11's Dynamo rebuilds NamedTuple._replace as an empty tuple.
+        state = State(last=last, pos=pos, out=out, count=count, limit=state.limit, eos=state.eos, done=done,
+                      stats=stats)
+        return state, y, a, hidden, status
 
     def catch_up_step(self, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor) -> tuple[Tensor, Tensor]:
         """The drafter on y_0..y_K at positions n+1..n+K+1, live row a -> (next d_1 [B], hidden [B, Hd]).
@@ -258,7 +261,7 @@ class Decoder:
                     torch.compiler.cudagraph_mark_step_begin()
                 state, d1, h, status = self._round(state, d1, h, _ticker(clock, phase_s) if timed else None)
                 if self.cudagraphs:  # the next replay overwrites this one's outputs
-                    state, d1, h = _clone((state, d1, h))
+                    state, d1, h = _clone(state, d1, h)
                 rounds += 1
                 finished, emitted = status.tolist()  # the round's one host sync
                 if bar is not None:
@@ -339,8 +342,9 @@ def _per_request(value: int | Sequence[int], n: int, name: str) -> list[int]:
     return values
 
 
-def _clone(tree: Any) -> Any:
-    return torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, tree)
+def _clone(state: State, *tensors: Tensor | None) -> tuple:
+    """Copies of a CUDA-graph replay's outputs, which the next replay overwrites."""
+    return (State(*(t.clone() for t in state)), *(None if t is None else t.clone() for t in tensors))
 
 
 def _no_tick(name: str) -> None:

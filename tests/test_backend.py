@@ -176,3 +176,27 @@ def test_specpass_log_prints_report_to_stderr():
     repo = pathlib.Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=repo, check=True)
     assert "specpass:" in done.stderr and "graph matmul FLOPs" in done.stderr
+
+
+def test_compiled_graph_keeps_dynamo_input_metadata(monkeypatch):
+    """AOTAutograd reads Dynamo's input sources to keep buffers (the KV cache) static under CUDA
+    graphs; the graph specpass hands to Inductor must carry them like Dynamo's own graph."""
+    seen = []
+
+    class RecordingInductor:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, gm, example_inputs):
+            seen.append(gm)
+            return gm
+
+    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", RecordingInductor)
+    model, tokens, positions = _toy()
+    _run(model, specpass, tokens, positions)
+    (gm,) = seen
+    assert "dynamo_compile_id" in gm.meta
+    inputs = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+    assert all(getattr(n, "_dynamo_source", None) is not None for n in inputs.values())
+    assert inputs["k_cache"].meta["tensor_dict"]["_dynamo_static_input_type"]
+    assert not inputs["tokens"].meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
