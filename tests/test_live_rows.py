@@ -607,6 +607,11 @@ class TestRefusals(expecttest.TestCase):
         report = _unchanged(self, lambda m, x, p, l: m.logits(x, p), Draft(), *_inputs())
         self.assertIn("logits_to_keep", report)
 
+    def test_no_rows_no_hint(self):
+        """A graph with no token axis in its outputs (a one-row draft step) gets no hint."""
+        gm, result = _rewrite(lambda m, x, p, l: m.hidden(x, p).sum(1), Draft(), *_inputs())
+        self.assertEqual(result.report.of("live_rows"), [])
+
     def test_write_between_reads_gathers_each_epoch(self):
         buf = torch.randn(B, S, H)
 
