@@ -41,13 +41,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch import library
 
 from models.layers import SwiGLU, apply_rope, attend, write_cache
 
 _aten_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10 on
 
 
-@torch.library.custom_op("specpass_zoo::grouped_mm", mutates_args=())
+@library.custom_op("specpass_zoo::grouped_mm", mutates_args=())
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows a[offs[e-1]:offs[e]] times b[e]: a [M, K], b [E, K, N], offs [E] int32 -> [M, N]."""
     if a.is_cuda and a.dtype != torch.bfloat16:  # CUDA's grouped GEMM is bf16 only: loop instead

@@ -4,6 +4,7 @@ import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import library
 
 import specpass
 from models.toy import ToyDraft
@@ -545,7 +546,7 @@ def _unchanged(test, fn, model, *args, **options):
     return str(result.report)
 
 
-@torch.library.custom_op("specpass_test::mix_rows", mutates_args=())
+@library.custom_op("specpass_test::mix_rows", mutates_args=())
 def mix_rows(x: torch.Tensor) -> torch.Tensor:
     return x.flip(1)
 
