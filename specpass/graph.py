@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 aten = torch.ops.aten
@@ -80,3 +81,25 @@ def op_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return target.overloadpacket.__name__
     return getattr(target, "__name__", str(target))
+
+
+def storage(node: Any) -> StorageWeakRef | None:
+    """The storage a node's fake value lives in: views of one tensor share it."""
+    v = val(node)
+    return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) else None
+
+
+def written_storages(node: fx.Node) -> set[StorageWeakRef]:
+    """The storages an in-place node writes (its schema's mutable arguments)."""
+    out = set()
+    for name, arg in bind(node).items():
+        schema_arg = next(a for a in node.target._schema.arguments if a.name == name)
+        if schema_arg.alias_info is not None and schema_arg.alias_info.is_write:
+            out |= {storage(leaf) for leaf in tree_leaves(arg) if storage(leaf) is not None}
+    return out
+
+
+def is_written_in_place(node: fx.Node) -> bool:
+    """Does any in-place op of the graph write the node's storage (the node or a view of it)?"""
+    s = storage(node)
+    return s is not None and any(s in written_storages(n) for n in node.graph.nodes if is_mutation(n))

@@ -8,6 +8,8 @@ import math
 import torch
 import torch.fx as fx
 
+from specpass.graph import val
+
 aten = torch.ops.aten
 
 
@@ -71,7 +73,7 @@ def _si(n: int) -> str:
 
 
 def _val(x) -> torch.Tensor | None:
-    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    v = val(x)
     return v if isinstance(v, torch.Tensor) else None
 
 

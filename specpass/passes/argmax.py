@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from specpass.graph import bind, emit, op_name, val
+from specpass.graph import bind, emit, is_written_in_place, op_name, val
 from specpass.options import Options
 from specpass.report import Finding
 
@@ -118,7 +118,7 @@ def _rewrite_softmax(graph: fx.Graph, sm: fx.Node, options: Options) -> list[Fin
     accepted = []
     for consumer, casts, path in consumers:
         try:
-            if any(_written_in_place(n) for n in path):
+            if any(is_written_in_place(n) for n in path):
                 raise _Refuse(f"a copy of the softmax output between it and {consumer.name} is written in place")
             soft.check(consumer)
             values_out, _ = _outputs(consumer)
@@ -174,7 +174,7 @@ class _Softmax:
         self.dim = args["dim"] % self.ndim
         self.out_dtype = out.dtype
         _check_prefix(s)
-        if _written_in_place(sm):
+        if is_written_in_place(sm):
             raise _Refuse("the softmax output (or a view of it) is written in place")
         self.s = s
         self.cast_to = args.get("dtype") if args.get("dtype") not in (None, val(s).dtype) else None
@@ -409,32 +409,3 @@ def _check_prefix(s: fx.Node) -> None:
         if not (number > 0 and math.isfinite(number)):
             raise _Refuse(f"temperature {number!r} in {scale.name} is not positive and finite; "
                           "it does not preserve the order")
-
-
-def _written_in_place(root: fx.Node) -> bool:
-    """Is `root`, or any view of it, mutated by some op in the graph?"""
-    aliases, stack = {root}, [root]
-    while stack:
-        node = stack.pop()
-        for user in node.users:
-            if user in aliases or user.op != "call_function":
-                continue
-            if _mutates(user, node):
-                return True
-            schema = getattr(user.target, "_schema", None)
-            returns_alias = (schema is not None and schema.returns and schema.returns[0].alias_info is not None)
-            if returns_alias or user.target is operator.getitem:
-                aliases.add(user)
-                stack.append(user)
-    return False
-
-
-def _mutates(user: fx.Node, arg: fx.Node) -> bool:
-    schema = getattr(user.target, "_schema", None)
-    if schema is None:
-        return False
-    bound = bind(user)
-    for a in schema.arguments:
-        if a.alias_info is not None and a.alias_info.is_write and bound.get(a.name) is arg:
-            return True
-    return False

@@ -33,10 +33,9 @@ from typing import Any, Union
 
 import torch
 import torch.fx as fx
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from specpass.graph import bind, emit, is_impure, is_mutation, op_name, set_val, val
+from specpass.graph import bind, emit, is_impure, is_mutation, op_name, set_val, storage, val, written_storages
 from specpass.options import Options
 from specpass.report import Finding, node_matmul_flops
 
@@ -138,21 +137,21 @@ class _Graph:
 
     def refresh(self) -> None:
         self.pos = {n: i for i, n in enumerate(self.graph.nodes)}
-        self.writes = [(self.pos[n], _written_storages(n), n) for n in self.graph.nodes if is_mutation(n)]
+        self.writes = [(self.pos[n], written_storages(n), n) for n in self.graph.nodes if is_mutation(n)]
 
     def written_between(self, node: fx.Node, start: fx.Node | int, end: fx.Node | int) -> fx.Node | None:
         """An in-place write to `node`'s storage strictly between two positions, if any."""
-        storage = _storage(node)
-        if storage is None:
+        written = storage(node)
+        if written is None:
             return None
         lo = self.pos[start] if isinstance(start, fx.Node) else start
         hi = self.pos[end] if isinstance(end, fx.Node) else end
-        return next((w for p, s, w in self.writes if lo < p < hi and storage in s), None)
+        return next((w for p, s, w in self.writes if lo < p < hi and written in s), None)
 
     def epoch(self, node: fx.Node, at: fx.Node) -> int:
         """How many in-place writes to `node`'s storage come before `at`."""
-        storage = _storage(node)
-        return sum(1 for p, s, _ in self.writes if p < self.pos[at] and storage in s)
+        written = storage(node)
+        return sum(1 for p, s, _ in self.writes if p < self.pos[at] and written in s)
 
     def index_op(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         """An index computation, placed right after its latest input (memoized: equal inputs, one node)."""
@@ -199,24 +198,6 @@ def _hashable(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return tuple(_hashable(v) for v in x)
     return x
-
-
-def _storage(node: fx.Node) -> StorageWeakRef | None:
-    v = val(node)
-    if isinstance(v, torch.Tensor):
-        return StorageWeakRef(v.untyped_storage())
-    return None
-
-
-def _written_storages(node: fx.Node) -> set[StorageWeakRef]:
-    out = set()
-    for i, a in enumerate(node.target._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            arg = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-            for leaf in tree_leaves(arg):
-                if isinstance(leaf, fx.Node) and _storage(leaf) is not None:
-                    out.add(_storage(leaf))
-    return out
 
 
 def _flat_ids(g: _Graph, factors: list[tuple[int, fx.Node]]) -> fx.Node:
