@@ -127,21 +127,28 @@ def test_pass_switched_off_by_name(monkeypatch):
         _run(model, specpass.backend(handoff="eager", live_rows=False), tokens, positions)
 
 
-def test_inductor_failure_on_rewritten_graph_falls_back(monkeypatch):
-    monkeypatch.setattr(pipeline, "PASSES", [("live_rows", silu_to_sigmoid)])
+def _stub_inductor(monkeypatch, fails_on=None) -> list:
+    """Replace Inductor by a stub that records each graph handed to it (and runs it as is),
+    raising on graphs that contain the op `fails_on`."""
     compiled = []
 
-    class FlakyInductor:
+    class StubInductor:
         def __init__(self, *args, **kwargs):
             pass
 
         def __call__(self, gm, example_inputs):
             compiled.append(gm)
-            if any(n.target is aten.sigmoid.default for n in gm.graph.nodes):
+            if any(n.target is fails_on for n in gm.graph.nodes):
                 raise RuntimeError("codegen failed")
             return gm
 
-    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", FlakyInductor)
+    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", StubInductor)
+    return compiled
+
+
+def test_inductor_failure_on_rewritten_graph_falls_back(monkeypatch):
+    monkeypatch.setattr(pipeline, "PASSES", [("live_rows", silu_to_sigmoid)])
+    compiled = _stub_inductor(monkeypatch, fails_on=aten.sigmoid.default)
     model, tokens, positions = _toy()
     expected = _run(model, None, tokens, positions)
     with pytest.warns(specpass.SpecpassWarning, match="compiling the rewritten graph failed"):
@@ -181,17 +188,7 @@ def test_specpass_log_prints_report_to_stderr():
 def test_compiled_graph_keeps_dynamo_input_metadata(monkeypatch):
     """AOTAutograd reads Dynamo's input sources to keep buffers (the KV cache) static under CUDA
     graphs; the graph specpass hands to Inductor must carry them like Dynamo's own graph."""
-    seen = []
-
-    class RecordingInductor:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def __call__(self, gm, example_inputs):
-            seen.append(gm)
-            return gm
-
-    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", RecordingInductor)
+    seen = _stub_inductor(monkeypatch)
     model, tokens, positions = _toy()
     _run(model, specpass, tokens, positions)
     (gm,) = seen
