@@ -1,6 +1,7 @@
 """Hugging Face-format checkpoint folders: `config.json` + `model.safetensors`.
 
     save(model, model.config, "ckpt/")              # or save(state_dict, config, dir)
+    save(model, model.config, "ckpt/", max_shard_bytes=15 * 2**20)  # sharded, with an index
     model = load(Llama, "ckpt/", device="cuda", dtype=torch.bfloat16)
     head = load(Eagle3Head, "head/", shared={"embed_tokens.weight": target.model.embed_tokens.weight})
 
@@ -76,8 +77,14 @@ def checkpoint_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[
     return tensors, aliases
 
 
-def save(model_or_state: nn.Module | dict[str, torch.Tensor], config: ConfigBase, directory: str | Path) -> Path:
-    """Write `config.json` and `model.safetensors` into `directory` (created if needed)."""
+def save(model_or_state: nn.Module | dict[str, torch.Tensor], config: ConfigBase, directory: str | Path,
+         max_shard_bytes: int | None = None) -> Path:
+    """Write `config.json` and `model.safetensors` into `directory` (created if needed).
+
+    Above `max_shard_bytes` of tensor data the weights go to shards `model-00001-of-0000n.safetensors`
+    of at most that many bytes each (a bigger tensor gets a shard of its own), named in Hugging
+    Face's `model.safetensors.index.json` (`metadata.total_size`, `weight_map`).
+    """
     if isinstance(model_or_state, nn.Module):
         tensors, _ = checkpoint_tensors(model_or_state)
     else:
@@ -92,8 +99,35 @@ def save(model_or_state: nn.Module | dict[str, torch.Tensor], config: ConfigBase
     if floating:
         meta["dtype"] = str(floating.pop()).removeprefix("torch.")
     (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    for stale in (directory / WEIGHTS_FILE, directory / INDEX_FILE, *directory.glob("model-*-of-*.safetensors")):
+        stale.unlink(missing_ok=True)  # an earlier save's weights, single or sharded, would be read instead
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+        return directory
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return directory
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    """Consecutive groups of tensors of at most `max_bytes` each (one group when None)."""
+    shards, size = [{}], 0
+    for name, t in tensors.items():
+        if max_bytes is not None and shards[-1] and size + _nbytes(t) > max_bytes:
+            shards, size = shards + [{}], 0
+        shards[-1][name] = t
+        size += _nbytes(t)
+    return shards
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def read_config(cls, directory: str | Path) -> tuple[ConfigBase, dict[str, Any]]:

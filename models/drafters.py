@@ -2,6 +2,7 @@
 
     drafter = ZooDrafter(zoo.build("tiny-llama-eagle3"))        # EAGLE-3, NextN or a standalone Llama
     target, drafter = load_pair(target_dir, "eagle", eagle_dir)  # checked against each other
+    other = load_drafter(target, "draft", draft_dir)             # another draft for the same target
 
 `Llama` is already a `specpass.speculative.Target` (`__call__`, `forward_with_hidden`,
 `setup_caches`); the drafts need only three facts the loop asks for: which target hidden states
@@ -79,10 +80,16 @@ def load_pair(target_dir: str | Path, kind: str, draft_dir: str | Path, device=N
               dtype: torch.dtype | None = None) -> tuple[Llama, ZooDrafter]:
     """Load a Llama target and a draft of `kind` ("eagle", "nextn" or "draft"), checked against each
     other from their config.json files before any weight is read."""
-    cls = KINDS[kind]
     target_config, _ = read_config(Llama, target_dir)
-    draft_config, _ = read_config(cls, draft_dir)
-    check_pair(target_config, draft_config)
+    check_pair(target_config, read_config(KINDS[kind], draft_dir)[0])
     target = load(Llama, target_dir, device=device, dtype=dtype)
+    return target, load_drafter(target, kind, draft_dir, device=device, dtype=dtype)
+
+
+def load_drafter(target: Llama, kind: str, draft_dir: str | Path, device=None,
+                 dtype: torch.dtype | None = None) -> ZooDrafter:
+    """A draft of `kind` for an already loaded target (EAGLE-3 uses the target's embedding)."""
+    cls = KINDS[kind]
+    check_pair(target.config, read_config(cls, draft_dir)[0])
     shared = {"embed_tokens.weight": target.model.embed_tokens.weight} if cls is Eagle3Head else None
-    return target, ZooDrafter(load(cls, draft_dir, device=device, dtype=dtype, shared=shared))
+    return ZooDrafter(load(cls, draft_dir, device=device, dtype=dtype, shared=shared))

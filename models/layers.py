@@ -100,10 +100,13 @@ class Attention(nn.Module):
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor,
+                rope_cs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """x `[B, T, in]` -> q `[B, T, n_heads, d]`, k, v `[B, T, n_kv, d]` (q, k roped), gate
+        `[B, T, n_heads * d]` or None. Shared by the cached path and training (examples/train.py)."""
         B, T, _ = x.shape
         q = self.q_proj(x)
+        gate = None
         if self.output_gate:  # Qwen3-Next layout: per head [query | gate]
             q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(B, T, self.n_heads * self.head_dim)
@@ -112,14 +115,22 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope_cs), apply_rope(k, *rope_cs)
+        return apply_rope(q, *rope_cs), apply_rope(k, *rope_cs), v, gate
+
+    def output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The attention output `[B, T, n_heads, d]` (and the gate) -> `[B, T, H]`."""
+        out = out.reshape(*out.shape[:2], self.n_heads * self.head_dim)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def forward(self, x: torch.Tensor, rope_cs: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        q, k, v, gate = self.project(x, rope_cs)
         write_cache(self.k_cache, positions, k)  # every row's K/V lands in the cache ...
         write_cache(self.v_cache, positions, v)
         out = attend(q, self.k_cache, self.v_cache, mask, self.head_dim**-0.5)  # ... then all of it is read
-        out = out.reshape(B, T, self.n_heads * self.head_dim)
-        if self.output_gate:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)  # [B, T, H]
+        return self.output(out, gate)  # [B, T, H]
 
 
 class SwiGLU(nn.Module):

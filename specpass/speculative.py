@@ -13,10 +13,13 @@ seen it yet; the drafter has, and holds its guess d_1 for position n+1):
     catch-up  the drafter on y_0..y_K at positions n+1..n+K+1 (with the target's hidden
               states at n..n+K), live row a -> d_1 of the next round
 
-Everything stays on the device with static shapes: KV caches are addressed by position (rejected
-slots are masked, then overwritten; nothing is copied), finished requests keep running in the
-batch and emit nothing, and the only host sync per round reads two numbers (all done?, tokens
-so far). See docs/loop.md.
+The four are pure functions of device tensors with static shapes (`draft`, `verify`, `accept`,
+`catch_up`), and `decode_round` composes them. `Decoder` is the driver: it binds the models,
+compiles the steps — one graph each, or the whole round as one graph, from the same functions —
+prefills, and loops. KV caches are addressed by position (rejected slots are masked, then
+overwritten; nothing is copied), finished requests keep running in the batch and emit nothing,
+and the only host sync per round reads one flag, all done? (on a GPU the previous round's, so the
+device never waits for the host). See docs/loop.md.
 
 specpass does not import the model zoo: a target and a drafter are anything with the methods of
 `Target` and `Drafter` below (the zoo's adapters are in models/drafters.py).
@@ -83,6 +86,138 @@ class State(NamedTuple):
     stats: Tensor  # [K+1] int64: active request-rounds, then how many accepted draft i = 1..K
 
 
+# --- the steps: pure, traceable (static shapes, no host syncs)
+
+
+def greedy(drafter: Drafter, logits: Tensor) -> Tensor:
+    """Draft logits [B, Vd] -> target ids [B]. topk = 1 written the way engines write it,
+    softmax -> max; specpass's arg-max pass drops the softmax. Only the index is used."""
+    return drafter.to_target(torch.softmax(logits.float(), -1).max(-1).indices)
+
+
+def draft(drafter: Drafter, k: int, d1: Tensor, pos: Tensor, h: Tensor) -> Tensor:
+    """d_1 [B], n [B], the catch-up's hidden [B, Hd] -> d_1..d_K [B, K] (target ids): K-1 draft steps."""
+    drafts = [d1]
+    for i in range(1, k):
+        logits, h = drafter.draft_step(drafts[-1], pos + i, h)  # d_i at position n+i -> d_{i+1}
+        drafts.append(greedy(drafter, logits))
+    return torch.stack(drafts, 1)
+
+
+def verify(target: Target, hidden_kind: str | None, last: Tensor, pos: Tensor,
+           d: Tensor) -> tuple[Tensor, Tensor | None]:
+    """The target on [x_n, d] at positions n..n+K -> (its greedy tokens y [B, K+1], the hidden
+    states the drafter reads [B, K+1, Hh], or None)."""
+    tokens = torch.cat([last[:, None], d], 1)  # [B, K+1]
+    positions = pos[:, None] + torch.arange(d.shape[1] + 1, device=d.device)  # [B, K+1]
+    if hidden_kind is None:
+        return target(tokens, positions).argmax(-1), None
+    logits, hidden = target.forward_with_hidden(tokens, positions, hidden_kind)
+    return logits.argmax(-1), hidden
+
+
+def accept(state: State, d: Tensor, y: Tensor) -> tuple[State, Tensor, Tensor]:
+    """Drafts d [B, K] against the target's y [B, K+1] -> (next state, a [B] drafts accepted, all done [])."""
+    K = d.shape[1]
+    t = torch.arange(K + 1, device=d.device)
+    a = (d == y[:, :K]).cumprod(1).sum(1)  # [B] drafts accepted: d_{i+1} == y_i for i < a
+
+    # This round emits y_0..y_a (d_1..d_a, then the bonus y_a), cut after an EOS and at the budget.
+    emitting = (t <= a[:, None]) & ~state.done[:, None]  # [B, K+1]
+    is_eos = (y == state.eos[:, None]) & emitting
+    emitting &= (is_eos.cumsum(1) - is_eos.long()) == 0  # nothing after the first EOS
+    emitting &= state.count[:, None] + t < state.limit[:, None]
+    # Columns past count + emitted are scratch: the next round (or nothing) overwrites them.
+    out = state.out.scatter(1, state.count[:, None] + t, y)
+    count = state.count + emitting.sum(1)
+    done = state.done | (count >= state.limit) | (is_eos & emitting).any(1)
+
+    active = ~state.done
+    accepted = (a[:, None] > t[:K]) & active[:, None]  # [B, K] draft i+1 accepted
+    stats = state.stats + torch.cat([active.sum()[None], accepted.sum(0)])
+    pos = torch.where(active, state.pos + a + 1, state.pos)  # y_a, at n+a+1, is the new x_n
+    last = torch.where(active, y.gather(1, a[:, None])[:, 0], state.last)
+    # State(...) spelled out: torch 2.11's Dynamo rebuilds NamedTuple._replace as an empty tuple.
+    state = State(last=last, pos=pos, out=out, count=count, limit=state.limit, eos=state.eos, done=done,
+                  stats=stats)
+    return state, a, done.all()  # all done: what the host reads each round
+
+
+def catch_up(drafter: Drafter, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor) -> tuple[Tensor, Tensor]:
+    """The drafter on y_0..y_K at positions n+1..n+K+1, live row a -> (next d_1 [B], hidden [B, Hd]).
+
+    All K+1 rows write their K/V; only row a is sampled: the graph specpass's live-row pass rewrites.
+    """
+    positions = pos[:, None] + 1 + torch.arange(y.shape[1], device=y.device)  # [B, K+1]
+    logits, h = drafter.catch_up(y, positions, hidden, a)
+    return greedy(drafter, logits), h
+
+
+class Steps(NamedTuple):
+    """A round's steps with their models bound: the functions above, or their compiled forms."""
+
+    draft: Callable[[Tensor, Tensor, Tensor], Tensor] | None  # (d1, pos, h) -> d; None: plain decoding
+    verify: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]  # (last, pos, d) -> y, hidden
+    accept: Callable[[State, Tensor, Tensor], tuple[State, Tensor, Tensor]]  # (state, d, y) -> state, a, done
+    catch_up: Callable[..., tuple[Tensor, Tensor]] | None  # (y, pos, hidden, a) -> d1, h
+
+
+def decode_round(steps: Steps, state: State, d1: Tensor | None,
+                 h: Tensor | None) -> tuple[State, Tensor | None, Tensor | None, Tensor]:
+    """One round: draft -> verify -> accept -> catch-up. -> (state, d1, h, all done)."""
+    pos = state.pos
+    # Plain decoding verifies no drafts: an empty [B, 0] block.
+    d = steps.draft(d1, pos, h) if steps.draft is not None else pos[:, None][:, :0]
+    y, hidden = steps.verify(state.last, pos, d)
+    state, a, finished = steps.accept(state, d, y)
+    if steps.catch_up is not None:
+        d1, h = steps.catch_up(y, pos, hidden, a)
+    return state, d1, h, finished
+
+
+@torch.no_grad()
+def prefill(target: Target, drafter: Drafter | None, k: int, prompts: Sequence[Sequence[int]],
+            limits: list[int], eos: list[int], max_batch: int,
+            max_len: int) -> tuple[State, Tensor | None, Tensor | None]:
+    """Right-padded prompts through the target (and the drafter); emits each request's first token.
+
+    Runs once per generate, uncompiled (its shapes depend on the prompts).
+    """
+    B, P, dev = max_batch, max(len(p) for p in prompts), next(target.parameters()).device
+    idle = B - len(prompts)  # padding rows: a one-token prompt, no budget, done from the start
+    lengths = torch.tensor([len(p) for p in prompts] + [1] * idle, device=dev)
+    tokens = torch.zeros(B, P + 1, dtype=torch.long, device=dev)  # [B, P+1]: prompt, then x_n
+    tokens[: len(prompts), :P] = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], device=dev)
+    positions = torch.arange(P + 1, device=dev).expand(B, -1)
+    kind = drafter.hidden_kind if drafter is not None else None
+    if kind is None:
+        logits, hidden = target(tokens[:, :P], positions[:, :P]), None
+    else:
+        logits, hidden = target.forward_with_hidden(tokens[:, :P], positions[:, :P], kind)
+    first = logits[torch.arange(B, device=dev), lengths - 1].argmax(-1)  # x_n, at position n = length
+    tokens.scatter_(1, lengths[:, None], first[:, None])
+
+    d1 = h = None
+    if drafter is not None:
+        # A drafter that reads target states starts at position 1: row t pairs the token at t+1
+        # with the target's state at t. A standalone one reads the prompt from position 0.
+        o = 0 if kind is None else 1
+        logits, h = drafter.catch_up(tokens[:, o:], positions[:, o:], hidden, lengths - o)
+        d1 = greedy(drafter, logits)
+
+    limit = torch.tensor(limits + [0] * idle, device=dev)
+    eos_t = torch.tensor(eos + [-1] * idle, device=dev)
+    out = torch.zeros(B, max_len, dtype=torch.long, device=dev)  # wider than any budget + K + 1
+    out[:, 0] = first
+    count = (limit > 0).long()
+    state = State(last=first, pos=lengths, out=out, count=count, limit=limit, eos=eos_t,
+                  done=(count >= limit) | (first == eos_t), stats=torch.zeros(k + 1, dtype=torch.long, device=dev))
+    return state, d1, h
+
+
+# --- the driver
+
+
 @dataclasses.dataclass
 class Metrics:
     new_tokens: int
@@ -91,14 +226,14 @@ class Metrics:
     prefill_seconds: float
     accept_length: float  # tokens per round per active request: accepted drafts + the bonus token
     acceptance: list[float]  # per draft position 1..K: the fraction of active request-rounds accepting it
-    phase_ms: dict[str, float]  # mean ms per round: "round"; with timing=True (unfused) also draft, verify, catch_up
+    phase_ms: dict[str, float]  # mean ms per round: "round"; with timing=True (steps apart) also each step
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
 
     def __str__(self) -> str:
-        phases = ", ".join(f"{k} {v:.2f}" for k, v in self.phase_ms.items())
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in self.phase_ms.items())
         acceptance = " ".join(f"{p:.2f}" for p in self.acceptance) or "-"
         return (f"{self.new_tokens} tokens in {self.rounds} rounds, {self.seconds:.2f} s "
                 f"({self.tokens_per_s:.1f} tokens/s); mean accepted length {self.accept_length:.2f}; "
@@ -119,8 +254,9 @@ class Decoder:
 
     compile: "specpass" (default), "inductor", "eager" (no torch.compile), or a backend callable
       (e.g. `specpass.backend(handoff="eager")`). Every step is compiled with static shapes.
-    mode: torch.compile's mode; "reduce-overhead" gives CUDA graphs (one per compiled step).
-    fused_round: compile draft -> verify -> accept -> catch-up as one graph (one CUDA graph per round).
+    mode: torch.compile's mode; "reduce-overhead" gives CUDA graphs (one per compiled graph).
+    fused_round: compile the whole round as one graph (one CUDA graph replay per round) instead
+      of one graph per step (draft, verify, accept, catch-up).
     max_batch, max_len: the static cache shapes; `generate` pads the batch with idle rows.
     """
 
@@ -136,147 +272,71 @@ class Decoder:
         self.max_batch, self.max_len = max_batch, max_len
         self.device = next(target.parameters()).device
         self.cudagraphs = mode == "reduce-overhead" and compile != "eager"
+        self.fused_round = fused_round
         target.setup_caches(max_batch, max_len)
         if drafter is not None:
             drafter.setup_caches(max_batch, max_len)
 
+        kind = drafter.hidden_kind if drafter is not None else None
+        self.steps = Steps(
+            draft=functools.partial(draft, drafter, self.k) if drafter is not None else None,
+            verify=functools.partial(verify, target, kind),
+            accept=accept,
+            catch_up=functools.partial(catch_up, drafter) if drafter is not None else None)
         wrap = _compiler(compile, mode)
         if fused_round:
-            self._parts = None
-            self._round = wrap(self.round_step)
+            self._round = wrap(functools.partial(decode_round, self.steps))
         else:
-            # One compiled draft step, called K-1 times, as gpt-fast compiles its decode step.
-            self._parts = (functools.partial(self.draft_steps, step=wrap(self.draft_step)),
-                           wrap(self.verify_step), wrap(self.catch_up_step))
-            self._round = self.round_step
-
-    # --- the steps, as traced by torch.compile (static shapes, no host syncs)
-
-    def draft_step(self, token: Tensor, pos: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-        """One draft step: token [B] at position pos [B], hidden [B, Hd] -> (next token [B], hidden [B, Hd])."""
-        logits, h = self.drafter.draft_step(token, pos, h)
-        return self._greedy(logits), h
-
-    def draft_steps(self, d1: Tensor, pos: Tensor, h: Tensor, step: Callable | None = None) -> Tensor:
-        """d_1 [B], n [B], the catch-up's hidden [B, Hd] -> d_1..d_K [B, K] (target ids), by K-1 `step`s."""
-        step = step or self.draft_step
-        drafts = [d1]
-        for i in range(1, self.k):
-            token, h = step(drafts[-1], pos + i, h)
-            drafts.append(token)
-        return torch.stack(drafts, 1)
-
-    def verify_step(self, state: State, d: Tensor) -> tuple[State, Tensor, Tensor, Tensor | None, Tensor]:
-        """Target on [x_n, d] [B, K+1], accept, emit -> (next state, y [B, K+1], a [B], hidden, status [2])."""
-        K = d.shape[1]
-        t = torch.arange(K + 1, device=d.device)
-        tokens = torch.cat([state.last[:, None], d], 1)  # [B, K+1]
-        positions = state.pos[:, None] + t  # [B, K+1]
-        kind = self.drafter.hidden_kind if self.drafter is not None else None
-        if kind is None:
-            logits, hidden = self.target(tokens, positions), None
-        else:
-            logits, hidden = self.target.forward_with_hidden(tokens, positions, kind)  # hidden [B, K+1, Hh]
-        y = logits.argmax(-1)  # [B, K+1] the target's greedy token after each row
-        a = (d == y[:, :K]).cumprod(1).sum(1)  # [B] drafts accepted: d_{i+1} == y_i for i < a
-
-        # This round emits y_0..y_a (d_1..d_a, then the bonus y_a), cut after an EOS and at the budget.
-        emitting = (t <= a[:, None]) & ~state.done[:, None]  # [B, K+1]
-        is_eos = (y == state.eos[:, None]) & emitting
-        emitting &= (is_eos.cumsum(1) - is_eos.long()) == 0  # nothing after the first EOS
-        emitting &= state.count[:, None] + t < state.limit[:, None]
-        m = emitting.sum(1)  # [B] tokens emitted this round (a prefix of y)
-        # Columns past count + m are scratch: the next round (or nothing) overwrites them.
-        out = state.out.scatter(1, state.count[:, None] + t, y)
-        count = state.count + m
-        done = state.done | (count >= state.limit) | (is_eos & emitting).any(1)
-
-        active = ~state.done
-        accepted = (a[:, None] > t[:K]) & active[:, None]  # [B, K] draft i+1 accepted
-        stats = state.stats + torch.cat([active.sum()[None], accepted.sum(0)])
-        pos = torch.where(active, state.pos + a + 1, state.pos)  # y_a, at n+a+1, is the new x_n
-        last = torch.where(active, y.gather(1, a[:, None])[:, 0], state.last)
-        status = torch.stack([done.all().long(), count.sum()])  # what the host reads each round
-        # State(...) spelled out: torch 2.11's Dynamo rebuilds NamedTuple._replace as an empty tuple.
-        state = State(last=last, pos=pos, out=out, count=count, limit=state.limit, eos=state.eos, done=done,
-                      stats=stats)
-        return state, y, a, hidden, status
-
-    def catch_up_step(self, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor) -> tuple[Tensor, Tensor]:
-        """The drafter on y_0..y_K at positions n+1..n+K+1, live row a -> (next d_1 [B], hidden [B, Hd]).
-
-        All K+1 rows write their K/V; only row a is sampled: the graph specpass's live-row pass rewrites.
-        """
-        positions = pos[:, None] + 1 + torch.arange(y.shape[1], device=y.device)  # [B, K+1]
-        logits, h = self.drafter.catch_up(y, positions, hidden, a)
-        return self._greedy(logits), h
-
-    def round_step(self, state: State, d1: Tensor | None, h: Tensor | None,
-                   tick: Callable[[str], None] | None = None) -> tuple[State, Tensor | None, Tensor | None, Tensor]:
-        """One round: draft -> verify + accept -> catch-up. -> (state, d1, h, status)."""
-        draft, verify, catch_up = self._parts or (self.draft_steps, self.verify_step, self.catch_up_step)
-        tick = tick or _no_tick
-        pos = state.pos
-        # Plain decoding verifies no drafts: an empty [B, 0] block.
-        d = draft(d1, pos, h) if self.drafter is not None else pos[:, None][:, :0]
-        tick("draft")
-        state, y, a, hidden, status = verify(state, d)
-        tick("verify")
-        if self.drafter is not None:
-            d1, h = catch_up(y, pos, hidden, a)
-        tick("catch_up")
-        return state, d1, h, status
-
-    def _greedy(self, logits: Tensor) -> Tensor:
-        # topk = 1 written the way engines write it; specpass's arg-max pass drops the softmax.
-        # Only the index is used.
-        return self.drafter.to_target(torch.softmax(logits.float(), -1).max(-1).indices)
-
-    # --- the loop
+            self._steps = Steps(*(None if s is None else wrap(s) for s in self.steps))
+            self._round = functools.partial(decode_round, self._steps)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                 eos_id: int | Sequence[int] | None = None, timing: bool = False,
-                 progress: bool = False) -> Output:
+                 eos_id: int | Sequence[int] | None = None, timing: bool = False) -> Output:
         """Greedy-decode each prompt; per-request `max_new_tokens` and `eos_id` (an int or one per prompt).
 
-        timing=True synchronises around each compiled step to split the round time (extra syncs).
+        timing=True also splits the round time into its steps (steps compiled apart): CUDA events
+        (the host clock on CPU) after each step, read once at the end, so no sync is added.
         """
         B = len(prompts)
         limits = _per_request(max_new_tokens, B, "max_new_tokens")
         eos = _per_request(-1 if eos_id is None else eos_id, B, "eos_id")
         self._check(prompts, limits)
-        clock = _clock(self.device)
-        start = clock()
-        state, d1, h = self._prefill(prompts, limits, eos)
-        prefill_end = clock()
+        start = self._clock()
+        state, d1, h = prefill(self.target, self.drafter, self.k, prompts, limits, eos, self.max_batch, self.max_len)
+        prefill_end = self._clock()
 
-        phase_s: dict[str, float] = {}
-        # A fused round is one call, plain decoding one step: nothing to split.
-        timed = timing and self._parts is not None and self.drafter is not None
-        rounds = 0
-        with _progress_bar(progress, sum(limits)) as bar:
-            while True:
-                if self.cudagraphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                state, d1, h, status = self._round(state, d1, h, _ticker(clock, phase_s) if timed else None)
-                if self.cudagraphs:  # the next replay overwrites this one's outputs
-                    state, d1, h = _clone(state, d1, h)
-                rounds += 1
-                finished, emitted = status.tolist()  # the round's one host sync
-                if bar is not None:
-                    bar.update(emitted - bar.n)
-                if finished:
-                    break
-        end = clock()
+        timer = _PhaseTimer(self.device) if timing and not self.fused_round else None
+        run_round = self._round if timer is None else functools.partial(
+            decode_round, Steps(*(timer.timed(name, step) for name, step in zip(Steps._fields, self._steps))))
+        rounds, flags = 0, _DoneFlags(self.device)
+        while True:
+            if self.cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            if timer is not None:
+                timer.mark("between")
+            state, d1, h, finished = run_round(state, d1, h)
+            if self.cudagraphs:  # the next replay overwrites this one's outputs
+                state, d1, h = _clone(state, d1, h)
+            rounds += 1
+            if flags.push(finished):  # the round's one host sync
+                rounds -= flags.lag  # a round run after all were done emitted nothing
+                break
+        end = self._clock()
 
         out, count, stats = state.out.tolist(), state.count.tolist(), state.stats.tolist()
         active = max(stats[0], 1)
+        phases = {k: 1e3 * v / rounds for k, v in (timer.totals() if timer else {}).items()}
         metrics = Metrics(
             new_tokens=sum(count), rounds=rounds, seconds=end - start, prefill_seconds=prefill_end - start,
             accept_length=1 + sum(stats[1:]) / active, acceptance=[s / active for s in stats[1:]],
-            phase_ms={"round": 1e3 * (end - prefill_end) / rounds, **{k: 1e3 * v / rounds for k, v in phase_s.items()}})
+            phase_ms={"round": 1e3 * (end - prefill_end) / rounds, **phases})
         return Output([row[:n] for row, n in zip(out[:B], count[:B])], metrics)
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _check(self, prompts: Sequence[Sequence[int]], limits: list[int]) -> None:
         if not 0 < len(prompts) <= self.max_batch:
@@ -288,44 +348,6 @@ class Decoder:
             # A finished request keeps running frozen; a round writes up to K+1 slots past it.
             raise ValueError(f"max_len {self.max_len} is too small: the longest prompt + max_new_tokens "
                              f"+ 2k + 1 = {need} cache slots are needed")
-
-    def _prefill(self, prompts: Sequence[Sequence[int]], limits: list[int],
-                 eos: list[int]) -> tuple[State, Tensor | None, Tensor | None]:
-        """Right-padded prompts through the target (and the drafter); emits each request's first token.
-
-        Runs once per generate, uncompiled (its shapes depend on the prompts).
-        """
-        B, P, dev = self.max_batch, max(len(p) for p in prompts), self.device
-        idle = B - len(prompts)  # padding rows: a one-token prompt, no budget, done from the start
-        lengths = torch.tensor([len(p) for p in prompts] + [1] * idle, device=dev)
-        tokens = torch.zeros(B, P + 1, dtype=torch.long, device=dev)  # [B, P+1]: prompt, then x_n
-        tokens[: len(prompts), :P] = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], device=dev)
-        positions = torch.arange(P + 1, device=dev).expand(B, -1)
-        kind = self.drafter.hidden_kind if self.drafter is not None else None
-        if kind is None:
-            logits, hidden = self.target(tokens[:, :P], positions[:, :P]), None
-        else:
-            logits, hidden = self.target.forward_with_hidden(tokens[:, :P], positions[:, :P], kind)
-        first = logits[torch.arange(B, device=dev), lengths - 1].argmax(-1)  # x_n, at position n = length
-        tokens.scatter_(1, lengths[:, None], first[:, None])
-
-        d1 = h = None
-        if self.drafter is not None:
-            # A drafter that reads target states starts at position 1: row t pairs the token at t+1
-            # with the target's state at t. A standalone one reads the prompt from position 0.
-            o = 0 if kind is None else 1
-            logits, h = self.drafter.catch_up(tokens[:, o:], positions[:, o:], hidden, lengths - o)
-            d1 = self._greedy(logits)
-
-        limit = torch.tensor(limits + [0] * idle, device=dev)
-        eos_t = torch.tensor(eos + [-1] * idle, device=dev)
-        out = torch.zeros(B, self.max_len, dtype=torch.long, device=dev)  # wider than any budget + K + 1
-        out[:, 0] = first
-        count = (limit > 0).long()
-        state = State(last=first, pos=lengths, out=out, count=count, limit=limit, eos=eos_t,
-                      done=(count >= limit) | (first == eos_t),
-                      stats=torch.zeros(self.k + 1, dtype=torch.long, device=dev))
-        return state, d1, h
 
 
 def _compiler(compile: str | Callable, mode: str | None) -> Callable[[Callable], Callable]:
@@ -347,46 +369,62 @@ def _clone(state: State, *tensors: Tensor | None) -> tuple:
     return (State(*(t.clone() for t in state)), *(None if t is None else t.clone() for t in tensors))
 
 
-def _no_tick(name: str) -> None:
-    pass
+class _DoneFlags:
+    """The host's view of "all done". On a GPU, `push` reads the previous round's flag (copied to
+    pinned memory as that round ends) while this round runs, so the device never idles waiting
+    for the host; that costs one round after the last, which runs on finished requests and emits
+    nothing (`lag` = 1). On a CPU the flag is read at once."""
+
+    def __init__(self, device: torch.device):
+        self.lag = int(device.type == "cuda")
+        self.pending: list[tuple[Tensor, Any]] = []
+
+    def push(self, finished: Tensor) -> bool:
+        if not self.lag:
+            return bool(finished.item())
+        event = torch.cuda.Event()
+        self.pending.append((finished.to("cpu", non_blocking=True), event))
+        event.record()
+        if len(self.pending) <= self.lag:
+            return False
+        flag, event = self.pending.pop(0)
+        event.synchronize()
+        return bool(flag.item())
 
 
-def _clock(device: torch.device) -> Callable[[], float]:
-    def clock() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
+class _PhaseTimer:
+    """Time per phase of the round without host syncs: a CUDA event (on CPU the host clock) is
+    recorded after each phase; the totals are read once, after the loop."""
 
-    return clock
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, Any]] = []  # (the phase that just ended, event or time)
 
-
-def _ticker(clock: Callable[[], float], totals: dict[str, float]) -> Callable[[str], None]:
-    """tick(name) adds the time since the previous tick (or the ticker's creation) to totals[name]."""
-    last = [clock()]
-
-    def tick(name: str) -> None:
-        now = clock()
-        totals[name] = totals.get(name, 0.0) + now - last[0]
-        last[0] = now
-
-    return tick
-
-
-class _progress_bar:
-    """A tqdm bar over emitted tokens, shown only on runs longer than a second (None when off)."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total = enabled, total
-
-    def __enter__(self):
-        if not self.enabled:
-            self.bar = None
+    def mark(self, phase: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((phase, event))
         else:
-            from tqdm import tqdm
+            self.marks.append((phase, time.perf_counter()))
 
-            self.bar = tqdm(total=self.total, unit="tok", delay=1.0, leave=False)
-        return self.bar
+    def timed(self, phase: str, step: Callable | None) -> Callable | None:
+        if step is None:
+            return None
 
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        def run(*args: Any) -> Any:
+            out = step(*args)
+            self.mark(phase)
+            return out
+
+        return run
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase; "between" is the host loop between rounds (the sync, the copies)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        totals: dict[str, float] = {}
+        for (_, start), (phase, end) in zip(self.marks, self.marks[1:]):
+            seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
+            totals[phase] = totals.get(phase, 0.0) + seconds
+        return totals

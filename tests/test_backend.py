@@ -197,3 +197,32 @@ def test_compiled_graph_keeps_dynamo_input_metadata(monkeypatch):
     assert all(getattr(n, "_dynamo_source", None) is not None for n in inputs.values())
     assert inputs["k_cache"].meta["tensor_dict"]["_dynamo_static_input_type"]
     assert not inputs["tokens"].meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+
+
+def test_inductor_receives_what_plain_inductor_receives(monkeypatch):
+    """AOTAutograd must hand Inductor the same inputs for specpass's graph as for Dynamo's own:
+    static inputs (parameters, KV cache: no copy per CUDA-graph replay), mutated inputs (all of
+    them static, or cudagraph trees skip the graph) and output aliasing (runtime wrappers)."""
+    import torch._inductor.compile_fx as compile_fx
+
+    seen = []
+    inner = compile_fx._compile_fx_inner
+
+    def spy(gm, example_inputs, *args, **kwargs):
+        meta = torch._guards.TracingContext.get().fw_metadata
+        seen.append(dict(inputs=len(example_inputs), static=list(kwargs.get("static_input_idxs", ())),
+                         mutated=[i for i, m in enumerate(meta.input_info) if m.mutates_data or m.mutates_metadata],
+                         outputs=[o.output_type for o in meta.output_info]))
+        return inner(gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "_compile_fx_inner", spy)
+    model, tokens, positions = _toy()
+    # Cache hits would skip the compile this test watches.
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        for backend in ("inductor", specpass):
+            torch._dynamo.reset()
+            _run(model, backend, tokens, positions)
+    plain, ours = seen
+    assert ours == plain
+    assert plain["mutated"] and set(plain["mutated"]) <= set(plain["static"])

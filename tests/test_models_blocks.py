@@ -185,6 +185,36 @@ def test_round_trip(name, tmp_path):
         assert "lm_head.weight" not in safetensors.torch.load_file(tmp_path / "model.safetensors")
 
 
+def test_sharded_round_trip_and_index(tmp_path):
+    """Above max_shard_bytes: Hugging Face's shard names and index, shards within the limit, the same
+    tensors back (the EAGLE-3 head with the target's embedding); saving again replaces the shards."""
+    target, head = zoo.build("tiny-llama"), zoo.build("tiny-llama-eagle3", seed=3)
+    limit = 40_000
+    save(head, head.config, tmp_path, max_shard_bytes=limit)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n > 2 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert not (tmp_path / "model.safetensors").exists()
+    stored = {}
+    for file in files:
+        shard = safetensors.torch.load_file(tmp_path / file)
+        size = sum(t.numel() * t.element_size() for t in shard.values())
+        assert size <= limit or len(shard) == 1  # a tensor above the limit has a shard of its own
+        assert all(index["weight_map"][name] == file for name in shard)
+        stored.update(shard)
+    expected, _ = checkpoint.checkpoint_tensors(head)
+    assert stored.keys() == expected.keys() == index["weight_map"].keys()
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in expected.values())
+    loaded = load(Eagle3Head, tmp_path, shared={"embed_tokens.weight": target.model.embed_tokens.weight})
+    for key, value in head.state_dict().items():
+        if key != "embed_tokens.weight":
+            assert torch.equal(loaded.state_dict()[key], value), key
+
+    save(head, head.config, tmp_path)  # unsharded now: no shard or index may outlive it
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_load_casts_dtype_and_keeps_integer_buffers(tmp_path):
     target = zoo.build("tiny-llama")
     head = zoo.build("tiny-llama-eagle3")

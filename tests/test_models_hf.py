@@ -6,7 +6,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from models import zoo
-from models.checkpoint import load
+from models.checkpoint import load, save
 from models.llama import Llama
 
 
@@ -105,3 +105,19 @@ def test_transformers_saved_folder_loads_into_ours(tmp_path, shard):
     ours.setup_caches(2, 8)
     with torch.no_grad():
         close(ours(tokens, torch.arange(7).expand(2, -1)), hf(tokens).logits)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-llama-draft"])
+def test_our_sharded_folder_loads_into_transformers_and_ours(name, tmp_path):
+    model = zoo.build(name, seed=4)
+    save(model, model.config, tmp_path, max_shard_bytes=100_000)
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 2
+    hf = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ours = load(Llama, tmp_path)
+    for key, value in model.state_dict().items():
+        assert torch.equal(ours.state_dict()[key], value), key
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5))
+    ours.setup_caches(2, 9)
+    with torch.no_grad():
+        logits = ours(tokens, torch.arange(9).expand(2, -1))
+        close(hf(tokens).logits, logits)

@@ -94,7 +94,7 @@ def test_copy_of_target_accepts_every_draft(target, k):
     m = out.metrics
     assert m.accept_length == k + 1 and m.acceptance == [1.0] * k
     assert m.rounds == -(-(NEW - 1) // (k + 1))  # the prefill emits one token, each round k+1
-    assert set(m.phase_ms) == {"round", "draft", "verify", "catch_up"}
+    assert set(m.phase_ms) == {"round", "draft", "verify", "accept", "catch_up", "between"}
 
 
 def truncate_after(tokens, eos):
@@ -136,7 +136,7 @@ def test_one_host_sync_per_round(target, monkeypatch):
         syncs.clear()
         out = speculate(target, name, 4, eos_id=7)
         # one read per round, then the final read of tokens, counts and statistics
-        assert syncs == ["tolist"] * (out.metrics.rounds + 3), (name, syncs)
+        assert syncs == ["item"] * out.metrics.rounds + ["tolist"] * 3, (name, syncs)
 
 
 def test_explain_catch_up_shows_the_live_row_gather(target):
@@ -146,12 +146,12 @@ def test_explain_catch_up_shows_the_live_row_gather(target):
     y = torch.randint(0, 256, (3, k + 1), generator=g)
     hidden = torch.randn(3, k + 1, 3 * target.config.hidden_size, generator=g)
     args = (y, torch.tensor([4, 11, 2]), hidden, torch.tensor([0, 4, 2]))
-    report = specpass.explain(dec.catch_up_step, *args)
+    report = specpass.explain(dec.steps.catch_up, *args)
     live = [f for f in report.of("live_rows") if f.fired]
     assert live and live[0].rows == (3 * (k + 1), 3), str(report)
     # The gather lands before attention (one query row per request), even though the sampled id
     # then indexes d2t: an index computed from the rows, which must not be hoisted above them.
-    rewritten = specpass.rewrite(specpass.capture(dec.catch_up_step, *args)).graph_module
+    rewritten = specpass.rewrite(specpass.capture(dec.steps.catch_up, *args)).graph_module
     (attention,) = rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
     assert attention.meta["val"].shape[-2] == 1
     assert "only known after" not in str(report)  # the query projection runs on live rows too
@@ -176,13 +176,13 @@ def test_compiled_and_fused_round_match_eager(target, name):
     k = 3
     want = speculate(target, name, k, eos_id=7)
     assert want.tokens == ref.tokens
-    for fused, graphs in ((False, 3), (True, 1)):
+    for fused, graphs in ((False, 4), (True, 1)):
         backend = CountingBackend()
         out = speculate(target, name, k, compile=backend, fused_round=fused, eos_id=7)
         assert out.tokens == ref.tokens
         assert (out.metrics.accept_length, out.metrics.acceptance) == (want.metrics.accept_length,
                                                                         want.metrics.acceptance)
-        assert backend.graphs == graphs  # draft step, verify, catch-up; or the whole round
+        assert backend.graphs == graphs  # draft, verify, accept, catch-up; or the whole round
 
 
 def run_example(*args):

@@ -1,0 +1,429 @@
+"""Train the shipped models on the Python standard library's source, one GPU, about 8 minutes.
+
+    python examples/train.py --stdlib DIR --out checkpoints                # both phases
+    python examples/train.py --target checkpoints/stdlib-llama --out checkpoints   # phase 2 only
+    python examples/train.py --device cpu --tiny --target-steps 20 --drafts-steps 20 --batch 4 \\
+        --seq-len 64 --eval-windows 4 --out /tmp/smoke                     # CPU smoke run, seconds
+
+Phase 1, the target: a 19M-parameter byte-level Llama (models.text: 256 bytes + BOS + EOS),
+next-byte cross-entropy on random windows of the training modules. Its checkpoint is written as
+soon as the phase ends; `--target DIR` starts from such a folder instead.
+Phase 2, against the frozen target (the bf16 weights it ships with), jointly:
+  - an EAGLE-3 head, by EAGLE-3's training-time test: soft cross-entropy against the target's
+    distribution over `--rollout` steps, step j weighted 0.8**j, aligned as inference runs it
+    (`eagle3_rollout`);
+  - a 2-layer standalone Llama draft, distilled with soft cross-entropy against the target.
+Each phase has a wall-clock budget, compilation included: the number of steps (and so the cosine
+schedule) follows from the step time measured after warm-up; `--target-steps` / `--drafts-steps`
+fix it instead. Then an evaluation on the held-out modules, and the folders under --out:
+stdlib-llama/, stdlib-llama-eagle3/, stdlib-llama-draft/ (bf16, shards under 16 MiB),
+prompts.json (held-out prompts) and train_log.json (configs, steps, times, losses, evaluation).
+
+The corpus is the standard library under --stdlib (default: this Python's); the shipped models
+were trained on CPython 3.11.7's, carried to the GPU as a tarball of its .py files:
+
+    cd "$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" && \\
+        find . -name '*.py' -not -path '*/site-packages/*' | sort | tar cJf /tmp/stdlib.tar.xz -T -
+
+and run as `tar xJf stdlib.tar.xz -C /tmp/stdlib && python examples/train.py --stdlib /tmp/stdlib`
+on one H100 (checkpoints/train_log.json). Re-run on another Python, the training reads that
+Python's standard library (models/text.py), and the held-out split and prompts follow it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import pathlib
+import platform
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # models/ lives in the repo root
+
+from models.checkpoint import checkpoint_tensors, load, save  # noqa: E402
+from models.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
+from models.layers import rope  # noqa: E402
+from models.llama import Llama, LlamaConfig  # noqa: E402
+from models.text import HELD_OUT, VOCAB, corpus, make_prompts  # noqa: E402
+
+TARGET = LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
+                     num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
+                     max_position_embeddings=2048)
+EAGLE3 = Eagle3Config(vocab_size=VOCAB, draft_vocab_size=VOCAB, hidden_size=384, intermediate_size=1024,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
+                      max_position_embeddings=2048)
+DRAFT = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
+                    tie_word_embeddings=True, max_position_embeddings=2048)
+TINY = dict(  # --tiny: the same shapes of model, small enough for a CPU test
+    target=dataclasses.replace(TARGET, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                               num_attention_heads=4, head_dim=16),
+    eagle3=dataclasses.replace(EAGLE3, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
+                               target_hidden_size=64),
+    draft=dataclasses.replace(DRAFT, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=16),
+)
+NAMES = dict(target="stdlib-llama", eagle3="stdlib-llama-eagle3", draft="stdlib-llama-draft")
+SHARD_BYTES = 15 * 2**20  # files come back from the GPU machine in pieces of 16 MiB at most
+STEP_DECAY = 0.8  # EAGLE-3's weight of rollout step j: 0.8**j
+
+
+# --- forwards for training: the zoo modules' own submodules, full sequences, no KV cache
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q `[B, T, nh, d]`, k/v `[B, S, nkv, d]` -> `[B, T, nh, d]`: causal (S = T) when mask is None,
+    else over the keys `mask [T, S]` allows. Scale head_dim**-0.5, as the cached `layers.attend`."""
+    rep = q.shape[2] // k.shape[2]  # GQA: repeat K/V heads, which the flash and memory-efficient kernels need
+    k, v = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (k, v))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None)
+    return out.transpose(1, 2)
+
+
+def llama_forward(model: Llama, tokens: torch.Tensor,
+                  capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """tokens `[B, T]` at positions 0..T-1 -> (logits `[B, T, V]`, the inputs of the `capture` layers):
+    `model(tokens, positions)` after `setup_caches`, without the cache."""
+    cfg = model.config
+    x = model.model.embed_tokens(tokens)  # [B, T, H]
+    rope_cs = rope(torch.arange(tokens.shape[1], device=tokens.device)[None], cfg.head_dim, cfg.rope_theta, x.dtype)
+    inputs = {}
+    for i, layer in enumerate(model.model.layers):
+        if i in capture:
+            inputs[i] = x
+        attn = layer.self_attn
+        q, k, v, gate = attn.project(layer.input_layernorm(x), rope_cs)
+        h = x + attn.output(attention(q, k, v), gate)
+        x = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.lm_head(model.model.norm(x)), [inputs[i] for i in capture]
+
+
+def rollout_mask(T: int, j: int, device) -> torch.Tensor:
+    """`[T, (j+1)·T]` bool: the keys rollout step j's query at slot s attends to, over the keys of
+    steps 0..j side by side. Step 0's at slots <= s-j (the catch-up up to the accepted token), step
+    m's at slot s-j+m (the draft steps since): the cache inference's j-th draft step reads."""
+    s, t = torch.arange(T, device=device)[:, None], torch.arange(T, device=device)[None, :]
+    return torch.cat([t <= s - j] + [t == s - j + m for m in range(1, j + 1)], dim=1)
+
+
+def eagle3_rollout(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """EAGLE-3's training-time test: `steps` draft steps at every slot at once -> logits `[B, T, Vd]` per step.
+
+    Slot s holds token x_{s+1} (`tokens [B, T]`) at RoPE position s (ZooDrafter's alignment). Step 0
+    is the catch-up: hidden = fc(f_s), the target's fused states `features [B, T, 3Ht]`, causal. Step
+    j >= 1 at slot s continues step j-1's output hidden at slot s-1, with the K/V inference would
+    have in its cache (`rollout_mask`). Row s of step j predicts x_{s+2}; rows s < j have no
+    inference counterpart (their hidden is padding): leave them out of losses.
+    """
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    T = tokens.shape[1]
+    embeds = layer.input_layernorm(head.embed_tokens(tokens))  # [B, T, H], the same at every step
+    rope_cs = rope(torch.arange(T, device=tokens.device)[None], head.rope_dim, head.config.rope_theta, embeds.dtype)
+    hidden = head.fc(features)  # [B, T, H]
+    keys, values, logits = [], [], []
+    for j in range(steps):
+        q, k, v, gate = attn.project(torch.cat([embeds, layer.hidden_norm(hidden)], dim=-1), rope_cs)
+        keys.append(k)
+        values.append(v)
+        mask = None if j == 0 else rollout_mask(T, j, tokens.device)  # step 0: plain causal
+        h = hidden + attn.output(attention(q, torch.cat(keys, 1), torch.cat(values, 1), mask), gate)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        logits.append(head.lm_head(head.norm(h)))
+        hidden = F.pad(h[:, :-1], (0, 0, 1, 0))  # step j+1 at slot s reads step j's hidden at slot s-1
+    return logits
+
+
+def draft_outputs(target: Llama, head: Eagle3Head, draft: Llama, x: torch.Tensor, steps: int):
+    """x `[B, T]` -> (target logits `[B, T, V]`, no grad; head logits per step `[B, T-1, V]`, slot s
+    for the token at s+1, predicting s+2; draft logits `[B, T, V]`)."""
+    with torch.no_grad():
+        logits, features = llama_forward(target, x, target.eagle3_layers)
+    features = torch.cat(features, dim=-1)  # [B, T, 3H]
+    head_logits = eagle3_rollout(head, x[:, 1:], features[:, :-1], steps)
+    draft_logits, _ = llama_forward(draft, x)
+    return logits, head_logits, draft_logits
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Per row: -sum(probs * log_softmax(logits)) `[B, T]`."""
+    return -(probs * logits.float().log_softmax(-1)).sum(-1)
+
+
+# --- training
+
+
+def init_weights(model: nn.Module, std: float = 0.02) -> None:
+    """Hugging Face's Llama initialisation: weights N(0, 0.02²), norms 1."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, 0.0, std)
+        elif isinstance(module, nn.RMSNorm):
+            nn.init.ones_(module.weight)
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
+    """Linear warm-up, then cosine down to a tenth of the peak at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def compiled_first_step(loss_fn, x: torch.Tensor, compile: bool):
+    """Forward and backward of the first batch through torch.compile(loss_fn) (eager when not
+    `compile`, or, with a warning, when compiling fails). -> (the loss function from now on, parts)."""
+    if compile:
+        compiled = torch.compile(loss_fn)
+        try:
+            loss, parts = compiled(x)
+            loss.backward()
+            return compiled, parts
+        except Exception as e:  # noqa: BLE001 - any compiler failure: train eagerly instead
+            warnings.warn(f"torch.compile failed, training eagerly: {type(e).__name__}: {e}")
+    loss, parts = loss_fn(x)
+    loss.backward()
+    return loss_fn, parts
+
+
+def train_phase(name: str, loss_fn, models: list[nn.Module], sample, lr: float, budget_s: float,
+                steps: int | None, warmup: int, compile: bool, log_every: int) -> dict:
+    """AdamW (decay on matrices), warm-up + cosine, gradient clipping per model at 1.0.
+
+    `loss_fn(x) -> (loss, parts [n])`. Without `steps`, the step count is set once the step time is
+    measured (steps 5-14) so that the phase ends `budget_s` after it began, compilation included.
+    """
+    params = [[p for p in m.parameters() if p.requires_grad] for m in models]
+    flat = [p for ps in params for p in ps]
+    groups = [dict(params=[p for p in flat if p.dim() >= 2], weight_decay=0.1),
+              dict(params=[p for p in flat if p.dim() < 2], weight_decay=0.0)]
+    cuda = flat[0].is_cuda
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=cuda)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    total, warmup = steps, max(1, min(warmup, steps // 5)) if steps else warmup
+    start = time.perf_counter()
+    history, step, step_s = [], 0, None
+    while total is None or step < total:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, lr, warmup, total or 10**9)
+        x = sample()
+        if step == 0:
+            loss_fn, parts = compiled_first_step(loss_fn, x, compile)
+            sync()
+            first_step_s = time.perf_counter() - start
+        else:
+            loss, parts = loss_fn(x)
+            loss.backward()
+        for ps in params:
+            nn.utils.clip_grad_norm_(ps, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        history.append(parts.detach())
+        step += 1
+        if step == 5:
+            sync()
+            t0 = time.perf_counter()
+        if step == 15:
+            sync()
+            step_s = (time.perf_counter() - t0) / 10
+            if total is None:
+                total = step + max(0, int((budget_s - (time.perf_counter() - start)) / step_s))
+        if step % log_every == 0 or step == total:
+            recent = " ".join(f"{v:.3f}" for v in torch.stack(history[-log_every:]).float().mean(0).tolist())
+            print(f"{name} {step:5d}/{total} lr {opt.param_groups[0]['lr']:.2e} loss {recent} "
+                  f"{time.perf_counter() - start:6.1f}s", flush=True)
+        if steps is None and time.perf_counter() - start > 1.1 * budget_s:  # a slower stretch: stop anyway
+            warnings.warn(f"{name}: over budget, stopped at step {step} of {total}")
+            break
+    sync()
+    losses = torch.stack(history).float()
+    result = dict(steps=step, wall_s=round(time.perf_counter() - start, 1), first_step_s=round(first_step_s, 1),
+                  step_s=step_s, tokens_per_s=x.numel() / step_s if step_s else None, lr=lr, warmup=warmup,
+                  loss_first=losses[: min(10, step)].mean(0).tolist(),
+                  loss_final=losses[-min(50, step):].mean(0).tolist(),
+                  peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+    if step_s:
+        print(f"{name}: {step} steps in {result['wall_s']}s (the first, compiling, {result['first_step_s']}s), "
+              f"{1e3 * step_s:.1f} ms/step, {result['tokens_per_s']:,.0f} tokens/s", flush=True)
+    return result
+
+
+def sampler(tokens: torch.Tensor, batch: int, length: int, seed: int):
+    """Random windows `[batch, length]` (int64) of a token stream, reproducible from `seed`."""
+    g = torch.Generator(device=tokens.device).manual_seed(seed)
+    offsets = torch.arange(length, device=tokens.device)
+
+    def sample() -> torch.Tensor:
+        starts = torch.randint(0, tokens.numel() - length, (batch, 1), device=tokens.device, generator=g)
+        return tokens[starts + offsets].long()
+    return sample
+
+
+# --- evaluation on the held-out modules
+
+
+@torch.no_grad()
+def evaluate(target: Llama, head: Eagle3Head, draft: Llama, held_out: torch.Tensor, length: int, batch: int,
+             max_windows: int, steps: int, autocast) -> dict:
+    """Consecutive windows of the held-out stream: per byte, the target's loss and top-1 accuracy,
+    the draft's loss and agreement with the target's arg-max, and each rollout step's agreement."""
+    n = min(max_windows, held_out.numel() // length)
+    windows = held_out[: n * length].view(n, length).long()
+    sums = torch.zeros(4 + steps, dtype=torch.float64, device=held_out.device)
+    counts = torch.zeros_like(sums)
+    for x in windows.split(batch):
+        with autocast():
+            logits, head_logits, draft_logits = draft_outputs(target, head, draft, x, steps)
+        best = logits.argmax(-1)  # [B, T]
+        nxt, best_p = x[:, 1:], best[:, :-1]  # rows with a next byte
+        rows = [F.cross_entropy(logits[:, :-1].float().flatten(0, 1), nxt.flatten(), reduction="none"),
+                (best_p == nxt).flatten(),
+                F.cross_entropy(draft_logits[:, :-1].float().flatten(0, 1), nxt.flatten(), reduction="none"),
+                (draft_logits[:, :-1].argmax(-1) == best_p).flatten()]
+        rows += [(hl[:, j:].argmax(-1) == best[:, 1 + j:]).flatten() for j, hl in enumerate(head_logits)]
+        sums += torch.stack([r.double().sum() for r in rows])
+        counts += torch.tensor([r.numel() for r in rows], dtype=torch.float64, device=sums.device)
+    means = (sums / counts).tolist()
+    return dict(windows=n, bytes=n * length, target_loss=means[0], target_top1=means[1], draft_loss=means[2],
+                draft_agreement=means[3], eagle3_agreement=means[4:])
+
+
+def report(ev: dict) -> str:
+    steps = " ".join(f"{a:.3f}" for a in ev["eagle3_agreement"])
+    return "\n".join([
+        f"held-out: {ev['windows']} windows, {ev['bytes']:,} bytes ({', '.join(HELD_OUT)})",
+        f"{'model':8} {'loss (nats/byte)':>17} {'top-1':>7}",
+        f"{'target':8} {ev['target_loss']:17.4f} {ev['target_top1']:7.3f}   (= the next byte)",
+        f"{'draft':8} {ev['draft_loss']:17.4f} {ev['draft_agreement']:7.3f}   (= the target's arg-max)",
+        f"{'eagle3':8} {'':>17} {steps}   (= the target's arg-max, rollout steps 0..{len(ev['eagle3_agreement']) - 1})",
+    ])
+
+
+# --- the command
+
+
+def save_bf16(model: nn.Module, directory: pathlib.Path) -> None:
+    tensors, _ = checkpoint_tensors(model)
+    save({n: t.to(torch.bfloat16) if t.is_floating_point() else t for n, t in tensors.items()},
+         model.config, directory, max_shard_bytes=SHARD_BYTES)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stdlib", type=pathlib.Path, help="standard-library root (default: this Python's)")
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "checkpoints")
+    p.add_argument("--target", type=pathlib.Path, help="a trained target folder: skip phase 1")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny models (CPU smoke runs)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=64, help="windows per step, phase 1")
+    p.add_argument("--drafts-batch", type=int, default=64, help="windows per step, phase 2")
+    p.add_argument("--target-seconds", type=float, default=300.0, help="phase 1 budget, compilation included")
+    p.add_argument("--drafts-seconds", type=float, default=170.0, help="phase 2 budget, compilation included")
+    p.add_argument("--target-steps", type=int, help="phase 1 steps (instead of the budget)")
+    p.add_argument("--drafts-steps", type=int, help="phase 2 steps (instead of the budget)")
+    p.add_argument("--target-lr", type=float, default=1.5e-3)
+    p.add_argument("--drafts-lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100, help="warm-up steps (at most a fifth of fixed --*-steps)")
+    p.add_argument("--rollout", type=int, default=4, help="EAGLE-3 training-time-test steps")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
+    p.add_argument("--eval-windows", type=int, default=1024)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    began = time.perf_counter()
+    device = torch.device(args.device)
+    cfgs = TINY if args.tiny else dict(target=TARGET, eagle3=EAGLE3, draft=DRAFT)
+    compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
+                else contextlib.nullcontext)  # CPU: fp32
+    torch.manual_seed(args.seed)
+    dirs = {k: args.out / v for k, v in NAMES.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    train_tokens, held_out = (t.to(device) for t in corpus(args.stdlib))
+    (args.out / "prompts.json").write_text(json.dumps(make_prompts(args.stdlib, args.prompts), indent=1) + "\n")
+    log = dict(args={k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()},
+               configs={k: c.to_dict() for k, c in cfgs.items()}, held_out=list(HELD_OUT),
+               corpus=dict(train_tokens=train_tokens.numel(), held_out_tokens=held_out.numel()),
+               torch=torch.__version__, python=platform.python_version(),
+               device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+               compile=compile)
+
+    def write_log() -> None:
+        log["wall_s"] = round(time.perf_counter() - began, 1)
+        (args.out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+
+    print(f"corpus: {train_tokens.numel():,} training tokens, {held_out.numel():,} held out "
+          f"({time.perf_counter() - began:.1f}s)", flush=True)
+    target_dir = args.target
+    if target_dir is None:
+        target = Llama(cfgs["target"]).to(device)
+        init_weights(target)
+
+        def target_loss(x):
+            with autocast():
+                logits, _ = llama_forward(target, x[:, :-1])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+            return loss, loss[None]
+
+        log["target"] = train_phase("target", target_loss, [target], sampler(train_tokens, args.batch, args.seq_len + 1,
+                                    args.seed), args.target_lr, args.target_seconds, args.target_steps, args.warmup,
+                                    compile, args.log_every)
+        target_dir = dirs["target"]
+        save_bf16(target, target_dir)
+        write_log()
+    log["target_dir"] = str(target_dir)
+
+    # Phase 2 trains against the target as shipped: bf16 weights (held in fp32).
+    target = load(Llama, target_dir, device=device, dtype=torch.float32).requires_grad_(False)
+    head, draft = Eagle3Head(cfgs["eagle3"]).to(device), Llama(cfgs["draft"]).to(device)
+    init_weights(head)
+    init_weights(draft)
+    head.t2d.fill_(True)  # the draft vocabulary is the whole byte vocabulary: d2t stays 0
+    head.embed_tokens.weight = target.model.embed_tokens.weight  # shared and frozen, as at inference
+
+    def drafts_loss(x):
+        with autocast():
+            logits, head_logits, draft_logits = draft_outputs(target, head, draft, x, args.rollout)
+        probs = logits.float().softmax(-1)
+        # Step j's rows s >= j have an inference counterpart; row s's label is the target at s+1.
+        head_steps = [soft_cross_entropy(hl[:, j:], probs[:, 1 + j:]).mean() for j, hl in enumerate(head_logits)]
+        head_loss = sum(STEP_DECAY**j * loss for j, loss in enumerate(head_steps))
+        draft_loss = soft_cross_entropy(draft_logits, probs).mean()
+        return head_loss + draft_loss, torch.stack([head_loss, *head_steps, draft_loss])
+
+    log["drafts"] = train_phase("eagle3+draft", drafts_loss, [head, draft],
+                                sampler(train_tokens, args.drafts_batch, args.seq_len, args.seed + 1), args.drafts_lr,
+                                args.drafts_seconds, args.drafts_steps, args.warmup, compile, args.log_every)
+    log["drafts"]["loss_parts"] = ["eagle3 weighted", *[f"eagle3 step {j}" for j in range(args.rollout)], "draft"]
+    save_bf16(head, dirs["eagle3"])
+    save_bf16(draft, dirs["draft"])
+
+    log["eval"] = evaluate(target, head.eval(), draft.eval(), held_out, args.seq_len, args.drafts_batch,
+                           args.eval_windows, args.rollout, autocast)
+    write_log()
+    print(report(log["eval"]))
+    print(f"wrote {', '.join(str(d) for d in dirs.values())}, prompts.json, train_log.json in "
+          f"{log['wall_s']:.0f}s", flush=True)
+    return log
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The trained checkpoints shipped in checkpoints/: transformers reads the target as we do, the
+pair is lossless on held-out prompts, and the drafts are accepted as often as the docs say."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from models.checkpoint import load
+from models.drafters import load_drafter
+from models.llama import Llama
+from models.text import encode, load_prompts
+from specpass.speculative import Decoder
+
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+TARGET = CHECKPOINTS / "stdlib-llama"
+NEW = 48
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load(Llama, TARGET)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [encode(t) for t in load_prompts()[:3]]
+
+
+def test_shipped_files_fit_the_budget():
+    files = [f for f in CHECKPOINTS.rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) <= 50e6
+    assert all(f.stat().st_size < 16 * 2**20 for f in files)
+
+
+def test_transformers_loads_the_target_and_decodes_the_same_tokens(target, prompts):
+    hf = LlamaForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    ours = Decoder(target, None, max_batch=1, max_len=max(map(len, prompts)) + NEW + 1, compile="eager")
+    for prompt in prompts:
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt):]
+        assert ours.generate([prompt], NEW).tokens[0] == want.tolist()
+
+
+@pytest.mark.parametrize("kind, folder, min_accept", [("eagle", "stdlib-llama-eagle3", 2.5),
+                                                       ("draft", "stdlib-llama-draft", 1.5)])
+def test_shipped_drafters_are_lossless_and_accepted(target, prompts, kind, folder, min_accept):
+    k = 4
+    shape = dict(max_batch=len(prompts), max_len=max(map(len, prompts)) + NEW + 2 * k + 1, compile="eager")
+    plain = Decoder(target, None, **shape).generate(prompts, NEW)
+    out = Decoder(target, load_drafter(target, kind, CHECKPOINTS / folder), k=k, **shape).generate(prompts, NEW)
+    assert out.tokens == plain.tokens
+    assert out.metrics.accept_length >= min_accept, out.metrics

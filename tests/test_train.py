@@ -1,0 +1,135 @@
+"""examples/train.py: its cache-free training forwards compute what inference computes — the
+Llama forward, and EAGLE-3's training-time test row for row against catch-up + draft steps with
+ZooDrafter's alignment — and a CPU smoke run trains, evaluates and writes loadable folders."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import zoo
+from models.checkpoint import load
+from models.drafters import ZooDrafter
+from models.eagle3 import Eagle3Head
+from models.llama import Llama
+from models.text import VOCAB, load_prompts
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("train", ROOT / "examples" / "train.py")
+train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train)
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_llama_training_forward_equals_cached_forward():
+    model = zoo.build("tiny-llama", seed=2)
+    B, T = 2, 13
+    tokens = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(0))
+    model.setup_caches(B, T + 3)
+    with torch.no_grad():
+        logits, hidden = model.forward_with_hidden(tokens, torch.arange(T).expand(B, -1), "eagle3")
+        train_logits, captured = train.llama_forward(model, tokens, model.eagle3_layers)
+    close(train_logits, logits)
+    close(torch.cat(captured, -1), hidden)
+
+
+def test_rollout_mask_is_the_draft_step_cache():
+    mask = train.rollout_mask(6, 2, "cpu")  # step 2: keys of steps 0, 1, 2 side by side
+    step0, step1, step2 = mask.view(6, 3, 6).unbind(1)
+    assert step0[4].tolist() == [True, True, True, False, False, False]  # catch-up up to slot 4-2
+    assert step1[4].nonzero().flatten().tolist() == [3] and step2[4].nonzero().flatten().tolist() == [4]
+    assert step1[0].sum() == 0 and step2[0].nonzero().flatten().tolist() == [0]  # invalid rows see their own key
+
+
+def test_eagle3_rollout_is_catch_up_then_draft_steps():
+    """Step j, slot s of the training-time test == inference: catch-up of the tokens at positions
+    1..s-j+1 with target states 0..s-j (ZooDrafter shifts to slots 0..s-j; padding rows after the
+    live row, as a round writes them), then j draft steps on the next tokens, each continuing from
+    the previous step's hidden state. Every valid row of every step, in fp32."""
+    head = zoo.build("tiny-llama-eagle3", seed=5)
+    B, T, J, pad = 2, 11, 4, 2
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 256, (B, T + 1), generator=g)  # x_0..x_T; slot s holds x_{s+1}
+    features = torch.randn(B, T, 3 * head.config.target_hidden_size, generator=g)  # f_0..f_{T-1}
+    with torch.no_grad():
+        rollout = train.eagle3_rollout(head, tokens[:, 1:], features, J)  # J x [B, T, Vd]
+        drafter = ZooDrafter(head)
+        drafter.setup_caches(B, T + pad + 1)  # one cache for all cases: stale slots, as in decoding
+        close(rollout[0], head.forward_rows(tokens[:, 1:], torch.arange(T).expand(B, -1), features)[0])
+        for j in range(J):
+            assert j == 0 or (rollout[j][:, j:] - rollout[0][:, j:]).abs().max() > 1e-2  # not a re-run of step 0
+            for s in range(j, T):
+                live = s - j  # the catch-up's last accepted row, at slot s - j
+                rows = live + 1 + pad
+                pad_tokens = torch.randint(0, 256, (B, pad), generator=g)
+                pad_hidden = torch.randn(B, pad, features.shape[-1], generator=g)
+                catch_tokens = torch.cat([tokens[:, 1 : live + 2], pad_tokens], 1)
+                catch_hidden = torch.cat([features[:, : live + 1], pad_hidden], 1)
+                positions = torch.arange(1, rows + 1).expand(B, -1)
+                logits, h = drafter.catch_up(catch_tokens, positions, catch_hidden, torch.full((B,), live))
+                for m in range(1, j + 1):  # draft step m: the token at position live+m+1, slot live+m
+                    logits, h = drafter.draft_step(tokens[:, live + m + 1], torch.full((B,), live + m + 1), h)
+                close(rollout[j][:, s], logits)
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch):
+    def broken(fn):
+        def call(*args):
+            raise RuntimeError("no compiler here")
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    w = torch.nn.Parameter(torch.ones(3))
+
+    def loss_fn(x):
+        loss = (w * x).sum()
+        return loss, loss[None]
+
+    with pytest.warns(UserWarning, match="torch.compile failed, training eagerly"):
+        fn, parts = train.compiled_first_step(loss_fn, torch.arange(3.0), compile=True)
+    assert fn is loss_fn and parts.item() == 3.0 and w.grad.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_lr_schedule():
+    lrs = [train.lr_at(s, 1.0, 10, 100) for s in range(101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[100] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+SMOKE = ["--device", "cpu", "--tiny", "--batch", "8", "--drafts-batch", "8", "--seq-len", "64",
+         "--eval-windows", "8", "--prompts", "4", "--log-every", "20"]
+
+
+def test_cpu_smoke_run_trains_and_writes_loadable_folders(tmp_path, capsys):
+    log = train.main([*SMOKE, "--target-steps", "40", "--drafts-steps", "40", "--out", str(tmp_path)])
+    assert log["target"]["steps"] == log["drafts"]["steps"] == 40
+    assert log["target"]["loss_final"][0] < log["target"]["loss_first"][0] - 1.0  # from ln(258) = 5.55 down
+    first, final = log["drafts"]["loss_first"], log["drafts"]["loss_final"]
+    assert all(b < a for a, b in zip(first, final)), (first, final)  # every EAGLE-3 step and the draft
+    assert json.loads((tmp_path / "train_log.json").read_text())["eval"] == log["eval"]
+    ev = log["eval"]
+    assert ev["windows"] == 8 and len(ev["eagle3_agreement"]) == 4
+    assert 0 < ev["target_loss"] < 5.5 and all(0 <= a <= 1 for a in [ev["target_top1"], *ev["eagle3_agreement"]])
+    assert "held-out" in capsys.readouterr().out
+
+    target = load(Llama, tmp_path / "stdlib-llama")
+    embed = target.model.embed_tokens.weight
+    head = load(Eagle3Head, tmp_path / "stdlib-llama-eagle3", shared={"embed_tokens.weight": embed})
+    draft = load(Llama, tmp_path / "stdlib-llama-draft")
+    assert target.lm_head.weight.dtype == torch.bfloat16 and draft.config.tie_word_embeddings
+    assert head.t2d.all() and not head.d2t.any() and head.config.draft_vocab_size == VOCAB
+    assert len(load_prompts(tmp_path / "prompts.json")) == 4
+
+    # Phase 2 again from the saved target, as a timed-out run is finished.
+    resumed = train.main([*SMOKE, "--target", str(tmp_path / "stdlib-llama"), "--drafts-steps", "5",
+                          "--out", str(tmp_path / "resumed")])
+    assert "target" not in resumed and resumed["drafts"]["steps"] == 5
+    assert not (tmp_path / "resumed" / "stdlib-llama").exists()
+    assert (tmp_path / "resumed" / "stdlib-llama-eagle3" / "model.safetensors").is_file()
+    # Both second phases ran against the same (saved, bf16) target.
+    assert resumed["eval"]["target_loss"] == pytest.approx(ev["target_loss"], rel=1e-6)
