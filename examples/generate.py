@@ -72,7 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--handoff", choices=["inductor", "eager"],
                         help="what runs the graphs specpass rewrote (default: Inductor on CUDA; on CPU the "
                              "rewritten graphs run eagerly, since Inductor's C++ builds take 30-60 s)")
-    parser.add_argument("--fused-round", action="store_true", help="one compiled graph per round")
+    parser.add_argument("--round", choices=["fused", "apart"],
+                        help="compile the whole round as one graph (one CUDA graph replay per round; default on "
+                             "CUDA) or each step apart (default on CPU, where nothing is replayed)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each decoder (the median counts)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 unless every token equals plain greedy decoding's")
@@ -98,13 +100,15 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.device(args.device).type == "cuda"
     args.handoff = args.handoff or ("inductor" if cuda else "eager")
+    args.round = args.round or ("fused" if cuda else "apart")
     backend = specpass.backend(handoff=args.handoff) if args.compile == "specpass" else args.compile
     reports = _collect_reports()
     prompts = [encode(t) for t in texts]
     shape = dict(max_batch=len(prompts), max_len=max(map(len, prompts)) + args.max_new_tokens + 2 * args.k + 1,
                  compile=backend, mode="reduce-overhead" if cuda and args.compile != "eager" else None)
-    decoders = {"speculative": Decoder(target, drafter, k=args.k, fused_round=args.fused_round, **shape),
-                "plain": Decoder(target, None, fused_round=args.fused_round, **shape)}
+    fused = args.round == "fused"
+    decoders = {"speculative": Decoder(target, drafter, k=args.k, fused_round=fused, **shape),
+                "plain": Decoder(target, None, fused_round=fused, **shape)}
 
     results, seconds = {}, {}
     for name, decoder in decoders.items():
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     speed = {name: r.metrics.new_tokens / seconds[name] for name, r in results.items()}
     print(f"drafter: {kind} ({draft_dir}), k = {args.k}, compile = {args.compile}"
           f"{f' (handoff {args.handoff})' if args.compile == 'specpass' else ''}"
-          f"{' (fused round)' if args.fused_round else ''}, {args.device} {args.dtype}, {len(prompts)} prompts")
+          f", round {args.round}, {args.device} {args.dtype}, {len(prompts)} prompts")
     print(f"mean accepted length: {m.accept_length:.2f} tokens per round (at most {args.k + 1})")
     print("acceptance per draft position: " + " ".join(f"{p:.2f}" for p in m.acceptance))
     print(f"tokens/s: speculative {speed['speculative']:.1f}, plain target decoding {speed['plain']:.1f} "

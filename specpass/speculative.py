@@ -120,12 +120,12 @@ def accept(state: State, d: Tensor, y: Tensor) -> tuple[State, Tensor, Tensor]:
     """Drafts d [B, K] against the target's y [B, K+1] -> (next state, a [B] drafts accepted, all done [])."""
     K = d.shape[1]
     t = torch.arange(K + 1, device=d.device)
-    a = (d == y[:, :K]).cumprod(1).sum(1)  # [B] drafts accepted: d_{i+1} == y_i for i < a
+    a = first_true(d != y[:, :K])  # [B] drafts accepted: d_{i+1} == y_i for i < a
 
     # This round emits y_0..y_a (d_1..d_a, then the bonus y_a), cut after an EOS and at the budget.
     emitting = (t <= a[:, None]) & ~state.done[:, None]  # [B, K+1]
     is_eos = (y == state.eos[:, None]) & emitting
-    emitting &= (is_eos.cumsum(1) - is_eos.long()) == 0  # nothing after the first EOS
+    emitting &= t <= first_true(is_eos)[:, None]  # nothing after the first EOS
     emitting &= state.count[:, None] + t < state.limit[:, None]
     # Columns past count + emitted are scratch: the next round (or nothing) overwrites them.
     out = state.out.scatter(1, state.count[:, None] + t, y)
@@ -141,6 +141,15 @@ def accept(state: State, d: Tensor, y: Tensor) -> tuple[State, Tensor, Tensor]:
     state = State(last=last, pos=pos, out=out, count=count, limit=state.limit, eos=state.eos, done=done,
                   stats=stats)
     return state, a, done.all()  # all done: what the host reads each round
+
+
+def first_true(mask: Tensor) -> Tensor:
+    """[B, N] bool -> [B] the index of each row's first True, N where there is none.
+
+    One reduction, no scan: argmax returns the first maximum, and a True column appended to every
+    row gives rows without a True the answer N.
+    """
+    return torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1).int().argmax(1)
 
 
 def catch_up(drafter: Drafter, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor) -> tuple[Tensor, Tensor]:

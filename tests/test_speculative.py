@@ -16,7 +16,7 @@ import specpass
 from models import zoo
 from models.checkpoint import save
 from models.drafters import ZooDrafter
-from specpass.speculative import Decoder
+from specpass.speculative import Decoder, first_true
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
@@ -120,6 +120,16 @@ def test_max_new_tokens_per_request_and_idle_rows(target):
     out = speculate(target, "noisy-copy", 4, max_batch=5, new=budgets)  # 2 idle rows in the batch
     assert out.tokens == [r[:n] for r, n in zip(ref, budgets)]
     assert out.metrics.new_tokens == sum(budgets)
+
+
+def test_first_true_is_the_count_of_leading_falses():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(64, 6, generator=g) < 0.3
+    mask[0] = False  # no True: the row's length
+    mask[1] = True
+    leading = [next((i for i, m in enumerate(row) if m), len(row)) for row in mask.tolist()]
+    assert first_true(mask).tolist() == leading
+    assert first_true(mask)[0] == 6 and first_true(mask)[1] == 0
 
 
 def test_one_host_sync_per_round(target, monkeypatch):

@@ -1,0 +1,331 @@
+"""End to end on a GPU: tokens/s of greedy decoding with the shipped pair, every variant side by side.
+
+    python benchmarks/e2e.py --out e2e.json                      # the sweep (bf16), then the fp32 check
+    python benchmarks/e2e.py --bs 1,8 --out a.json               # a part of it (results merge by key)
+    python benchmarks/e2e.py --plot docs/e2e.json                # docs/e2e.png and the table (CPU, no GPU)
+    python benchmarks/e2e.py --device cpu --quick                # a smoke test of the script
+
+Variants, all greedy, on the held-out prompts (checkpoints/prompts.json), no EOS, the same number
+of new tokens per request:
+  plain          the target alone through our loop (K = 0), Inductor, one CUDA graph per token:
+                 the baseline every ratio is against
+  hf-static      transformers' generate with a static cache, compiled the way its docs say
+                 (cache_implementation="static": generate compiles the decoding forward with
+                 mode="reduce-overhead"; prefill runs eagerly)
+  hf-assisted    transformers' assisted generation, generate(assistant_model=the standalone draft);
+                 batch size 1 only (transformers' limit), eager, its default schedule
+  DRAFTER/LOOP   our loop with DRAFTER in {eagle3, draft} and LOOP in {inductor-apart (plain
+                 Inductor, one graph per step), specpass-apart, specpass-fused (one graph per round)}
+K = 4 for every loop, and each K of --k-sweep for eagle3/specpass-fused (the best K per batch
+size). "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
+in every variant, HF's too) included; "decode tokens/s" counts the rounds alone (our loops).
+Every compiled variant uses CUDA graphs (mode="reduce-overhead"). A variant's first generate
+compiles it (its wall time is "compile s"); then the loop variants are timed interleaved,
+`--repeats` passes over all of them (median), and each HF variant `--repeats` times. The
+split of a round (draft / verify / accept / catch-up / between rounds) comes from one more run
+with CUDA events after each step (steps compiled apart only). "agree" compares the tokens with
+plain decoding: exact equality is expected in fp32 (the check at --check-bs after the sweep), while
+bf16 verify over K+1 rows and decode over one row may round differently, so bf16 reports the
+agreeing prefix (mean fraction of tokens before the first difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHECKPOINTS = ROOT / "checkpoints"
+TARGET, DRAFTERS = CHECKPOINTS / "stdlib-llama", {"eagle3": ("eagle", CHECKPOINTS / "stdlib-llama-eagle3"),
+                                                   "draft": ("draft", CHECKPOINTS / "stdlib-llama-draft")}
+LOOPS = {"inductor-apart": ("inductor", False), "specpass-apart": ("specpass", False),
+         "specpass-fused": ("specpass", True)}
+SWEPT = "eagle3/specpass-fused"  # the variant also run at each K of --k-sweep
+
+
+def prefix_agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    fractions = []
+    for g, w in zip(got, want):
+        same = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        fractions.append(same / max(len(w), 1))
+    return sum(fractions) / len(fractions)
+
+
+class Bench:
+    """Loads the pair once; each loop variant gets its own copy of the models (own KV caches)."""
+
+    def __init__(self, args):
+        import torch
+
+        from models.checkpoint import load
+        from models.drafters import load_drafter
+        from models.llama import Llama
+        from models.text import load_prompts
+
+        self.torch, self.args = torch, args
+        self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
+        self.cudagraphs = "reduce-overhead" if self.device.type == "cuda" else None
+        self.target = load(Llama, TARGET, device=self.device, dtype=self.dtype)
+        self.drafters = {name: load_drafter(self.target, kind, path, device=self.device, dtype=self.dtype)
+                         for name, (kind, path) in DRAFTERS.items()}
+        self.prompts = load_prompts()
+        # Every variant compiles the same step functions again, for its own models.
+        for name in ("cache_size_limit", "recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 1024)
+
+    def batch(self, bs: int) -> list[list[int]]:
+        from models.text import encode
+
+        return [encode(t) for t in itertools.islice(itertools.cycle(self.prompts), bs)]
+
+    def run_loops(self, prompts, variants: list[tuple[str, str | None, str, bool, int]]) -> dict[tuple, dict]:
+        """Build and warm up every (name, drafter, compile, fused, K) variant, then time them
+        interleaved, `repeats` passes over all of them, so that drift of the host's speed during
+        the run (15-25% on these host-bound loops) falls on every variant alike."""
+        import copy
+
+        from specpass.speculative import Decoder
+
+        new, k_max = self.args.new_tokens, max(v[4] for v in variants)
+        max_len = max(map(len, prompts)) + new + 2 * k_max + 1
+        decoders, results = {}, {}
+        for variant in variants:
+            _, drafter, compile, fused, k = variant
+            target, drafter = copy.deepcopy((self.target, self.drafters[drafter] if drafter else None))
+            start = time.perf_counter()
+            decoders[variant] = Decoder(target, drafter, k=k, max_batch=len(prompts), max_len=max_len,
+                                        compile=compile, mode=self.cudagraphs, fused_round=fused)
+            first = decoders[variant].generate(prompts, new)  # compiles, records the CUDA graphs
+            results[variant] = dict(tokens=first.tokens, runs=[], compile_s=time.perf_counter() - start)
+            print(f"    compiled {variant[0]} K={k} in {results[variant]['compile_s']:.0f} s", file=sys.stderr)
+        for i in range(self.args.repeats):
+            order = list(decoders)
+            order = order[i % len(order):] + order[: i % len(order)]
+            for variant in order:
+                results[variant]["runs"].append(decoders[variant].generate(prompts, new).metrics)
+        for variant, decoder in decoders.items():
+            runs, r = results[variant].pop("runs"), results[variant]
+            timed = decoder.generate(prompts, new, timing=True).metrics if variant[1] and not variant[3] else None
+            r.update(tokens_per_s=statistics.median(m.tokens_per_s for m in runs),
+                     pass_tokens_per_s=[m.tokens_per_s for m in runs],  # pass i of every variant ran side by side
+                     # the rounds alone: tokens after each request's first (prefill's) over the loop's time
+                     decode_tokens_per_s=statistics.median((m.new_tokens - len(prompts)) / (m.seconds - m.prefill_seconds)
+                                                           for m in runs),
+                     prefill_ms=statistics.median(1e3 * m.prefill_seconds for m in runs),
+                     accept_length=runs[0].accept_length, acceptance=runs[0].acceptance,
+                     round_ms=statistics.median(m.phase_ms["round"] for m in runs),
+                     phase_ms=timed.phase_ms if timed else None)
+        return results
+
+    def run_hf(self, prompts, assistant: bool) -> dict:
+        from transformers import LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        torch = self.torch
+        torch._dynamo.reset()
+        load = lambda path: LlamaForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()  # noqa: E731
+        model = load(TARGET)
+        kwargs = dict(max_new_tokens=self.args.new_tokens, do_sample=False, pad_token_id=0)
+        if assistant:
+            kwargs["assistant_model"] = load(DRAFTERS["draft"][1])
+        elif self.device.type == "cuda":
+            kwargs["cache_implementation"] = "static"
+        width = max(map(len, prompts))  # left padding, as transformers' decoder-only generate expects
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+
+        def generate():
+            self._sync()
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, **kwargs)
+            self._sync()
+            return out[:, width:].tolist(), time.perf_counter() - start
+
+        start = time.perf_counter()
+        generate()
+        compile_s = time.perf_counter() - start
+        runs = [generate() for _ in range(self.args.repeats)]
+        seconds = statistics.median(s for _, s in runs)
+        return dict(tokens=runs[0][0], tokens_per_s=len(prompts) * self.args.new_tokens / seconds, pass_tokens_per_s=None,
+                    decode_tokens_per_s=None, prefill_ms=None, accept_length=None, acceptance=None, round_ms=None, phase_ms=None, compile_s=compile_s)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+
+def sweep(args, save) -> list[dict]:
+    """Every batch size of `args.bs`; `save(rows)` after each row."""
+    bench = Bench(args)
+    torch = bench.torch
+    rows = []
+    where = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
+    env = dict(device=where, torch=torch.__version__, dtype=args.dtype, new_tokens=args.new_tokens)
+    print(f"# {where}, torch {torch.__version__}, {args.dtype}, {args.new_tokens} new tokens per request",
+          file=sys.stderr)
+
+    def record(variant: str, bs: int, k: int, result: dict, reference: list[list[int]]):
+        agree = result["tokens"] == reference
+        prefix = prefix_agreement(result["tokens"], reference)
+        row = dict(env, variant=variant, bs=bs, k=k, agree=agree, prefix=prefix,
+                   **{key: v for key, v in result.items() if key != "tokens"})
+        rows.append(row)
+        save(rows)
+        print(f"  bs {bs} k {k} {variant}: {row['tokens_per_s']:.0f} tok/s, accept {row['accept_length']}, "
+              f"round {row['round_ms']} ms, compile {row['compile_s']:.0f} s, agree {agree} ({prefix:.2f})",
+              file=sys.stderr)
+
+    loops = [("plain", None, "inductor", True, 0)]
+    for drafter, (loop, (compile, fused)) in itertools.product(DRAFTERS, LOOPS.items()):
+        if f"{drafter}/{loop}" in args.variants:
+            sweep_k = [k for k in args.k_sweep if k != args.k] if f"{drafter}/{loop}" == SWEPT else []
+            loops += [(f"{drafter}/{loop}", drafter, compile, fused, k) for k in [args.k, *sweep_k]]
+    for bs in args.bs:
+        prompts = bench.batch(bs)
+        results = bench.run_loops(prompts, loops)
+        reference = results[loops[0]]["tokens"]
+        for variant, result in results.items():
+            record(variant[0], bs, variant[4], result, reference)
+        if "hf-static" in args.variants:
+            record("hf-static", bs, 0, bench.run_hf(prompts, assistant=False), reference)
+        if "hf-assisted" in args.variants and bs == 1:
+            record("hf-assisted", bs, 0, bench.run_hf(prompts, assistant=True), reference)
+        torch._dynamo.reset()  # frees the compiled graphs of this batch size
+    return rows
+
+
+def check_fp32(args, save) -> list[dict]:
+    """Every loop variant in fp32 at one batch size: tokens exactly equal to plain decoding."""
+    args = argparse.Namespace(**{**vars(args), "dtype": "float32", "bs": [args.check_bs], "k_sweep": []})
+    return sweep(args, save)
+
+
+def against_inductor(rows: list[dict], r: dict) -> str:
+    """specpass / plain Inductor for the same drafter and K: the median and range of per-pass ratios
+    (pass i of both variants ran side by side, so host drift cancels)."""
+    drafter, _, loop = r["variant"].partition("/")
+    if not loop.startswith("specpass"):
+        return "-"
+    base = next((b for b in rows if b["variant"] == f"{drafter}/inductor-apart" and b["k"] == r["k"]
+                 and (b["bs"], b["dtype"]) == (r["bs"], r["dtype"])), None)
+    if base is None or not base.get("pass_tokens_per_s") or not r.get("pass_tokens_per_s"):
+        return "-"
+    ratios = [a / b for a, b in zip(r["pass_tokens_per_s"], base["pass_tokens_per_s"])]
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def table(rows: list[dict]) -> str:
+    base = {(r["bs"], r["dtype"]): r["tokens_per_s"] for r in rows if r["variant"] == "plain"}
+    decode = {(r["bs"], r["dtype"]): r["decode_tokens_per_s"] for r in rows if r["variant"] == "plain"}
+    lines = ["| dtype | bs | variant | K | tokens/s | vs plain | vs inductor-apart (per pass) | decode tokens/s | "
+             "vs plain | prefill ms | accepted length | ms/round | draft / verify / accept / catch-up / between ms | "
+             "agree (prefix) | compile s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        phases = "-"
+        if r["phase_ms"]:
+            phases = " / ".join(f"{r['phase_ms'].get(p, 0):.3f}" for p in ("draft", "verify", "accept", "catch_up", "between"))
+        accept = f"{r['accept_length']:.2f}" if r["accept_length"] is not None else "-"
+        round_ms = f"{r['round_ms']:.3f}" if r["round_ms"] is not None else "-"
+        rate = r["decode_tokens_per_s"]
+        decoding = f"{rate:.0f} | {rate / decode[r['bs'], r['dtype']]:.2f}x | {r['prefill_ms']:.1f}" if rate else "- | - | -"
+        lines.append(f"| {r['dtype']} | {r['bs']} | {r['variant']} | {r['k'] or '-'} | {r['tokens_per_s']:.0f} | "
+                     f"{r['tokens_per_s'] / base[r['bs'], r['dtype']]:.2f}x | {against_inductor(rows, r)} | {decoding} | "
+                     f"{accept} | {round_ms} | {phases} | "
+                     f"{'yes' if r['agree'] else 'no'} ({r['prefix']:.2f}) | {r['compile_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """tokens/s against batch size, one line per variant (the best K of each), bf16 rows; the right
+    panel divides each by plain decoding at the same batch size (same run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["dtype"] == "bfloat16"]
+    best: dict[tuple[str, int], float] = {}
+    for r in rows:
+        best[r["variant"], r["bs"]] = max(best.get((r["variant"], r["bs"]), 0.0), r["tokens_per_s"])
+    fig, (absolute, relative) = plt.subplots(1, 2, figsize=(13, 5))
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        points = sorted((bs, tps) for (v, bs), tps in best.items() if v == variant)
+        style = "o--" if variant.startswith(("plain", "hf-")) else "o-"
+        bss = [bs for bs, _ in points]
+        absolute.plot(bss, [tps for _, tps in points], style, label=variant)
+        relative.plot(bss, [tps / best["plain", bs] for bs, tps in points], style, label=variant)
+    for ax in (absolute, relative):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (requests)")
+        ax.grid(True, which="both", alpha=0.3)
+    absolute.set_yscale("log")
+    absolute.set_ylabel("tokens/s (greedy, generated tokens)")
+    relative.set_ylabel("tokens/s / plain target decoding")
+    relative.axhline(1.0, color="gray", lw=0.8)
+    relative.legend(fontsize=8)
+    device = rows[0]["device"] if rows else ""
+    fig.suptitle(f"Greedy decoding, shipped 19M target, {device}, bf16, best K per variant")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def merge(path: Path, rows: list[dict]) -> list[dict]:
+    """Rows already in `path` plus these; a row replaces an old one with the same key."""
+    key = lambda r: (r["dtype"], r["bs"], r["variant"], r["k"])  # noqa: E731
+    old = json.loads(path.read_text()) if path.is_file() else []
+    new_keys = {key(r) for r in rows}
+    return [r for r in old if key(r) not in new_keys] + rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--bs", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--k-sweep", default="3,5,6", type=lambda s: [int(x) for x in s.split(",") if x],
+                        help=f"more K for {SWEPT} (the best K per batch size)")
+    all_variants = ["hf-static", "hf-assisted"] + [f"{d}/{loop}" for d in DRAFTERS for loop in LOOPS]
+    parser.add_argument("--variants", default=",".join(all_variants), type=lambda s: s.split(","),
+                        help=f"comma-separated, of {all_variants} (plain always runs)")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--check-bs", type=int, default=8, help="batch size of the fp32 exactness check")
+    parser.add_argument("--no-check", action="store_true", help="skip the fp32 exactness check")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: few tokens, one batch size, K 2")
+    parser.add_argument("--out", type=Path, help="merge the rows into this JSON file")
+    parser.add_argument("--plot", type=Path, help="draw docs/e2e.png from this JSON file, print its table, exit")
+    args = parser.parse_args()
+    if args.plot:
+        rows = json.loads(args.plot.read_text())
+        plot(rows, ROOT / "docs" / "e2e.png")
+        print(table(rows))
+        return
+    unknown = sorted(set(args.variants) - set(all_variants))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {all_variants}")
+    if args.quick:
+        args.bs, args.k, args.k_sweep, args.new_tokens, args.repeats, args.check_bs = [1], 2, [3], 16, 2, 2
+
+    def save(rows: list[dict]) -> None:  # as it goes: a run cut short keeps what it measured
+        if args.out:
+            args.out.write_text(json.dumps(merge(args.out, rows), indent=1))
+
+    rows = sweep(args, save)
+    if not args.no_check:
+        rows += check_fp32(args, save)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
