@@ -4,8 +4,9 @@ A pass is `run(gm, options) -> list[Finding]`: it edits `gm` (canonical IR, see 
 place and returns what it rewrote and what it left alone. The pipeline, not the pass, owns the
 invariants: after every pass the graph is linted, dead code is removed, fake tensors are
 re-propagated so every `meta["val"]` is true, and the outputs (count, shapes, dtypes) and the
-sequence of in-place writes must be unchanged. A pass that raises or breaks an invariant is
-dropped — the graph as it was before that pass goes on — and the report says why.
+sequence of in-place writes must be unchanged; no node may get two findings (each candidate
+gets one verdict; a pass checks that every candidate got one). A pass that raises or breaks an
+invariant is dropped — the graph as it was before that pass goes on — and the report says why.
 """
 
 from __future__ import annotations
@@ -66,10 +67,20 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
                 f"pass {name} failed ({type(exc).__name__}: {exc}); the graph is kept as it was before {name}"
             )
             continue
+        twice = _reported_twice(findings)
+        if twice:
+            report.errors.append(f"pass {name} reported {twice} twice; the graph is kept as it was before {name}")
+            continue
         report.findings.extend(findings)
         current = candidate
     report.matmul_flops = (graph_matmul_flops(gm), graph_matmul_flops(current))
     return RewriteResult(current, report)
+
+
+def _reported_twice(findings: list[Finding]) -> list[str]:
+    """Nodes named by more than one finding: each candidate gets exactly one verdict."""
+    names = [name for f in findings for name in f.where.split(", ")]
+    return sorted({n for n in names if names.count(n) > 1})
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

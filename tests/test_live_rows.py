@@ -644,3 +644,77 @@ def test_matmul_flops_in_the_report():
 
     assert finding.rows == (B * T, B)
     assert finding.matmul_flops == (flops(B * T), flops(B))
+
+
+# Ops with no rule of their own, classified from torch's metadata: reductions by their tag and
+# schema, the rest through their decompositions (CompositeImplicitAutograd or torch._decomp).
+DERIVED = {
+    "std": lambda h: h.std(-1)[:, -1],
+    "var_keepdim": lambda h: h.var(-1, keepdim=True)[:, -1],
+    "nansum": lambda h: h.nansum(-1)[:, -1],
+    "aminmax": lambda h: torch.aminmax(h, dim=-1).max[:, -1],
+    "count_nonzero": lambda h: torch.count_nonzero(h > 0, dim=-1)[:, -1],
+    "nanmean": lambda h: h.nanmean(-1)[:, -1],
+    "dropout_eval": lambda h: F.dropout(h, 0.3, training=False)[:, -1],
+    "dropout_p0": lambda h: F.dropout(h, 0.0, training=True)[:, -1],
+    "type_as": lambda h: (h.type_as(torch.zeros(1, dtype=torch.float64)) * 2)[:, -1],
+    "glu": lambda h: F.glu(h, -1)[:, -1],
+    "hardswish": lambda h: F.hardswish(h)[:, -1],
+}
+
+
+class Head(torch.nn.Module):
+    def __init__(self, tail):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(V, H))
+        self.tail = tail
+
+    def forward(self, x):
+        return self.tail(F.linear(x, self.w))  # [B, T, V] -> the tail's gather
+
+
+@pytest.mark.filterwarnings("error::specpass.SpecpassWarning")
+@pytest.mark.parametrize("name", DERIVED)
+def test_derived_rules_move_the_gather_exactly(name):
+    model, x = Head(DERIVED[name]), torch.randn(B, T, H)
+    (finding,) = specpass.explain(model, x).of("live_rows")
+    assert finding.fired and finding.rows == (B * T, B), str(finding)
+    torch._dynamo.reset()
+    got = torch.compile(model, backend=specpass.backend(handoff="eager"))(x)
+    torch.testing.assert_close(got, model(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tail, reason", [
+    (lambda h: F.dropout(h, 0.3, training=True)[:, -1], "dropout draws random numbers"),
+    (lambda h: F.glu(h, 1)[:, -1], "glu: "),  # its decomposition splits the token axis in two
+], ids=["dropout_train", "glu_over_tokens"])
+def test_derived_refusals_say_why(tail, reason):
+    report = specpass.explain(Head(tail), torch.randn(B, T, H))
+    (finding,) = report.of("live_rows")
+    assert not finding.fired and reason in finding.message, str(report)
+
+
+def test_every_row_gather_gets_exactly_one_finding():
+    """Each row gather gets its own verdict, also where two read the same rows and stay (once
+    moved, gathers that move together share one finding). Column slices (RoPE's halves) and
+    slices of weights are not row gathers."""
+    def many(m, x, p, live):
+        logits = m.logits(x, p)  # RoPE-like column halves of the input, and one of a weight
+        mixed = torch.cat([x[..., H // 2:], x[..., : H // 2]], -1) + m.wq[: H // 2].sum()
+        return logits[:, -1], logits[:, -1].softmax(-1), logits.cumsum(1)[:, -1], mixed[:, -2]
+
+    _, result = _rewrite(many, Draft(), *_inputs())
+    where = [f.where for f in result.report.of("live_rows")]
+    assert sorted(where) == ["select", "select_1", "select_2", "select_3"], str(result.report)
+    assert [f.where for f in result.report.rewrites] == ["select_3"]
+
+
+def test_a_node_reported_twice_drops_the_pass(monkeypatch):
+    from specpass import pipeline
+    from specpass.report import Finding
+
+    twice = [Finding("live_rows", "select", False, "one"), Finding("live_rows", "select, index", True, "two")]
+    monkeypatch.setattr(pipeline, "PASSES", [("live_rows", lambda gm, options: twice)])
+    _, result = _rewrite(last, Draft(), *_inputs())
+    assert result.report.findings == [] and "reported ['select'] twice" in result.report.errors[0]

@@ -55,6 +55,7 @@ import torch.fx as fx
 
 from specpass.graph import bind, emit, is_written_in_place, op_name, val
 from specpass.options import Options
+from specpass.passes.row_rules import SAME_VALUES
 from specpass.report import Finding
 
 aten = torch.ops.aten
@@ -69,12 +70,6 @@ _SOFTMAX = {
     aten._log_softmax.default: True,
     aten.special_log_softmax.default: True,
 }
-# Ops whose output equals their first input's values (up to a float cast).
-_CASTS = {
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default,
-    aten.type_as.default,
-}
-_IDENTITIES = {aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default}
 _MAX_LIKE = {aten.max.dim, aten.max.default, aten.amax.default, aten.argmax.default}
 _SCALE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode}
 # Reductions of a softmax that are recognised but not rewritten: the smallest probabilities
@@ -143,7 +138,7 @@ def _consumers(sm: fx.Node) -> list[tuple[fx.Node, list[torch.dtype], list[fx.No
         for user in node.users:
             if user.op != "call_function" or user.args[0] is not node:
                 continue
-            if user.target in _CASTS or user.target in _IDENTITIES:
+            if user.target in SAME_VALUES:
                 a, b = val(node), val(user)
                 if (isinstance(b, torch.Tensor) and b.is_floating_point() and b.shape == a.shape
                         and b.device == a.device):
@@ -387,7 +382,7 @@ def _check_prefix(s: fx.Node) -> None:
     """Walk from the softmax input up through casts and scalings: every temperature must be provably positive."""
     node = s
     while isinstance(node, fx.Node) and node.op == "call_function":
-        if node.target in _CASTS or node.target in _IDENTITIES:
+        if node.target in SAME_VALUES:
             node = node.args[0]
             continue
         if node.target not in _SCALE:

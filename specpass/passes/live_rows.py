@@ -13,7 +13,7 @@ Design: global liveness, in three steps.
    on its source (`Static`, `PerBatch`, `Flat`, below).
 2. Backward, in reverse program order, each node learns what its users need: every row, or one
    selection. A node whose users all need the same selection, whose op is row-local for it
-   (`_rule`), and whose storage is not written in place before its users read it, is *pulled*:
+   (row_rules.py), and whose storage is not written in place before its users read it, is *pulled*:
    its operands need the selection mapped onto their axes. Anything else — an in-place write, a
    returned tensor, a row-mixing or unknown op — needs every row, and the gather lands right
    before the first pulled consumer.
@@ -29,7 +29,7 @@ import dataclasses
 import math
 import operator
 from collections import defaultdict
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -37,88 +37,14 @@ from torch.utils._pytree import tree_leaves
 
 from specpass.graph import bind, emit, is_impure, is_mutation, op_name, set_val, storage, val, written_storages
 from specpass.options import Options
+from specpass.passes.row_rules import (RESHAPES, VIEWS, Gather, Keep, Stop, out_shape_of, plan_operands,
+                                       shape_of)
+from specpass.passes.rows import Flat, PerBatch, Rows, Static, gathered_shape, index_nodes, kept
 from specpass.report import Finding, node_matmul_flops
 
 aten = torch.ops.aten
 NAME = "live_rows"
-
-
-# ----------------------------------------------------------------------------- row selections
-
-
-@dataclasses.dataclass(frozen=True)
-class Static:
-    """Rows start:stop:step of one axis (a select is a length-1 range)."""
-
-    axis: int
-    start: int
-    stop: int
-    step: int = 1
-
-    @property
-    def axes(self) -> tuple[int, ...]:
-        return (self.axis,)
-
-    @property
-    def rows(self) -> int:
-        return len(range(self.start, self.stop, self.step))
-
-
-@dataclasses.dataclass(frozen=True)
-class PerBatch:
-    """x[arange(B)[:, None], index]: for each entry of axis `batch`, rows index[b] ([B, k]) of `axis`."""
-
-    batch: int
-    axis: int
-    index: fx.Node
-
-    @property
-    def axes(self) -> tuple[int, ...]:
-        return (self.batch, self.axis)
-
-    @property
-    def rows(self) -> int:
-        return val(self.index).shape[1]
-
-
-@dataclasses.dataclass(frozen=True)
-class Flat:
-    """Rows `index` ([n]) of the row-major flattening of `axes` (in order of significance)."""
-
-    axes: tuple[int, ...]
-    index: fx.Node
-
-    @property
-    def rows(self) -> int:
-        return val(self.index).shape[0]
-
-
-Rows = Union[Static, PerBatch, Flat]
 FULL = "full"  # the node is needed on every row
-
-
-def _index_nodes(spec: Rows) -> list[fx.Node]:
-    return [] if isinstance(spec, Static) else [spec.index]
-
-
-def _remap(spec: Rows, axis_map: dict[int, int]) -> Rows:
-    if isinstance(spec, Static):
-        return dataclasses.replace(spec, axis=axis_map[spec.axis])
-    if isinstance(spec, PerBatch):
-        return dataclasses.replace(spec, batch=axis_map[spec.batch], axis=axis_map[spec.axis])
-    return dataclasses.replace(spec, axes=tuple(axis_map[a] for a in spec.axes))
-
-
-def gathered_shape(spec: Rows, shape: list[int]) -> list[int]:
-    """Shape of `x` gathered by `spec`, rank kept."""
-    shape = list(shape)
-    if isinstance(spec, (Static, PerBatch)):
-        shape[spec.axis] = spec.rows
-    else:
-        for a in spec.axes:
-            shape[a] = 1
-        shape[spec.axes[-1]] = spec.rows
-    return shape
 
 
 # ----------------------------------------------------------------------------- index nodes
@@ -263,241 +189,6 @@ def _to_flat(g: _Graph, spec: Rows, axes: list[int], shape: list[int], device: t
     return Flat(tuple(axes), _flat_ids(g, factors))
 
 
-# ----------------------------------------------------------------------------- op rules
-# A rule maps a node's output axes onto each tensor operand: for every output axis, the
-# operand's axis — in the operand's frame aligned to the output's rank, for broadcasting ops —
-# or None where the operand has no such axis (a weight's rows, K/V's query axis).
-
-
-class Stop(Exception):
-    """The op is not row-local for this selection; the message says why."""
-
-
-@dataclasses.dataclass
-class Operand:
-    node: fx.Node
-    axes: list[int | None]  # per output axis
-    rank: int  # the aligned frame's rank; more than the operand's adds leading broadcast dims
-    expandable: bool = False  # may broadcast along a selected axis (elementwise alignment)
-    shape: list[int] | None = None  # for one element of a tuple-valued operand
-
-
-@dataclasses.dataclass
-class Rule:
-    operands: list[Operand]
-    needs_carrier: bool = True  # every selected axis must come from some operand
-
-
-@dataclasses.dataclass(frozen=True)
-class Keep:
-    """The operand is used as is (a weight, K/V, or broadcast along the selected axes)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Gather:
-    spec: Rows
-    expand_to: tuple[int, ...] | None = None  # expand along broadcast selected axes first
-
-
-def _shape(x: Any) -> list[int]:
-    return list(val(x).shape)
-
-
-def _out_shape(node: fx.Node) -> list[int]:
-    v = val(node)
-    return list((v[0] if isinstance(v, (tuple, list)) else v).shape)
-
-
-def _same_axes(x: fx.Node, rank: int, expandable: bool = False) -> Operand:
-    return Operand(x, list(range(rank)), rank, expandable)
-
-
-def _drop_axis(x: fx.Node, out_rank: int, dropped: int) -> Operand:
-    return Operand(x, [i if i < dropped else i + 1 for i in range(out_rank)], out_rank + 1)
-
-
-_DIM_OPS = {  # op -> (dims argument, keepdim argument; None: the op keeps every axis)
-    aten.sum.dim_IntList: ("dim", "keepdim"), aten.mean.dim: ("dim", "keepdim"),
-    aten.amax.default: ("dim", "keepdim"), aten.amin.default: ("dim", "keepdim"),
-    aten.max.dim: ("dim", "keepdim"), aten.min.dim: ("dim", "keepdim"),
-    aten.argmax.default: ("dim", "keepdim"), aten.argmin.default: ("dim", "keepdim"),
-    aten.logsumexp.default: ("dim", "keepdim"), aten.prod.dim_int: ("dim", "keepdim"),
-    aten.any.dim: ("dim", "keepdim"), aten.all.dim: ("dim", "keepdim"),
-    aten.var.correction: ("dim", "keepdim"), aten.std.correction: ("dim", "keepdim"),
-    aten.var_mean.correction: ("dim", "keepdim"), aten.linalg_vector_norm.default: ("dim", "keepdim"),
-    aten.norm.ScalarOpt_dim: ("dim", "keepdim"),
-    aten.softmax.int: ("dim", None), aten.log_softmax.int: ("dim", None),
-    aten._softmax.default: ("dim", None), aten._log_softmax.default: ("dim", None),
-    aten.cumsum.default: ("dim", None), aten.cumprod.default: ("dim", None),
-    aten.topk.default: ("dim", None), aten.sort.default: ("dim", None), aten.flip.default: ("dims", None),
-    aten.split.Tensor: ("dim", None), aten.split_with_sizes.default: ("dim", None),
-    aten.chunk.default: ("dim", None), aten.slice.Tensor: ("dim", None), aten.narrow.default: ("dim", None),
-    aten.index_select.default: ("dim", None), aten.cat.default: ("dim", None),
-}
-_SAME_AXES = {  # one tensor operand, same axes, arguments unchanged
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.clone.default,
-    aten.contiguous.default, aten.alias.default, aten.detach.default, aten.lift_fresh_copy.default,
-    torch.ops._c10d_functional.all_reduce.default, torch.ops._c10d_functional.wait_tensor.default,
-    aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
-}
-_SCATTERS = {aten.scatter.value, aten.scatter.src, aten.scatter_add.default, aten.scatter_reduce.two}
-_RESHAPES = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default, aten.flatten.using_ints,
-    aten.unflatten.int,
-}
-_MATMULS = {aten.mm.default: 0, aten.bmm.default: 0, aten.matmul.default: 0, aten.addmm.default: 1,
-            aten.baddbmm.default: 1}
-_NORMS = {aten.rms_norm.default, aten.layer_norm.default, aten.native_layer_norm.default}
-
-
-def _rule(node: fx.Node, spec: Rows, options: Options) -> Rule:
-    """How `node`'s rows map onto its operands; Stop(reason) if it is not row-local for `spec`."""
-    target, out_shape = node.target, _out_shape(node)
-    rank, name = len(out_shape), op_name(node.target)
-    if target is operator.getitem:
-        element = list(val(node.args[0])[node.args[1]].shape)
-        return Rule([Operand(node.args[0], list(range(rank)), rank, shape=element)])
-    if not isinstance(target, torch._ops.OpOverload):
-        raise Stop(f"{name} is not an ATen op")
-    if is_mutation(node):
-        raise Stop(f"{name} writes in place")
-    if target in _SAME_AXES:
-        return Rule([_same_axes(node.args[0], rank)])
-    if target in _DIM_OPS:
-        return _dim_op(node, spec)
-    if torch.Tag.pointwise in target.tags and torch.Tag.nondeterministic_seeded not in target.tags:
-        operands = [a for a in tree_leaves((node.args, node.kwargs)) if isinstance(val(a), torch.Tensor)]
-        return Rule([_same_axes(a, rank, expandable=True) for a in operands])
-    if target is aten.expand.default:
-        return Rule([_same_axes(node.args[0], rank, expandable=True)], needs_carrier=False)
-    if target is aten.permute.default:
-        return Rule([Operand(node.args[0], [d % rank for d in node.args[1]], rank)])
-    if target in (aten.transpose.int, aten.t.default):
-        perm = list(range(rank))
-        d0, d1 = (node.args[1] % rank, node.args[2] % rank) if target is aten.transpose.int else (0, rank - 1)
-        perm[d0], perm[d1] = perm[d1], perm[d0]
-        return Rule([Operand(node.args[0], perm, rank)])
-    if target in (aten.select.int, aten.unbind.int):
-        return Rule([_drop_axis(node.args[0], rank, bind(node)["dim"] % (rank + 1))])
-    if target is aten.stack.default:
-        dim = bind(node)["dim"] % rank
-        if dim in spec.axes:
-            raise Stop(f"stack creates the selected axis {dim}")
-        return Rule([Operand(t, [None if i == dim else i - (i > dim) for i in range(rank)], rank - 1)
-                     for t in node.args[0]])
-    if target in _NORMS:
-        normalized = len(bind(node)["normalized_shape"])
-        if any(a >= rank - normalized for a in spec.axes):
-            raise Stop(f"{name} normalises over the selected axis")
-        return Rule([_same_axes(node.args[0], rank)])
-    if target is aten.linear.default:
-        x, w, b = node.args[0], node.args[1], bind(node)["bias"]
-        ops = [Operand(x, list(range(rank - 1)) + [None], rank), Operand(w, [None] * (rank - 1) + [0], 2)]
-        if isinstance(b, fx.Node):
-            ops.append(Operand(b, [None] * (rank - 1) + [0], 1))
-        return Rule(ops)
-    if target in _MATMULS:
-        first = _MATMULS[target]
-        a, b = node.args[first], node.args[first + 1]
-        if len(_shape(a)) < 2 or len(_shape(b)) < 2:
-            raise Stop("matmul with a vector operand")
-        batch = list(range(rank - 2))
-        ops = [Operand(a, batch + [rank - 2, None], rank, True), Operand(b, batch + [None, rank - 1], rank, True)]
-        if first:
-            ops.append(_same_axes(node.args[0], rank, expandable=True))
-        return Rule(ops)
-    if target is aten.einsum.default:
-        return _einsum(node, out_shape)
-    if target is aten.embedding.default:
-        ids = node.args[1]
-        return Rule([Operand(ids, list(range(rank - 1)) + [None], rank - 1), Operand(node.args[0], [None] * rank, 2)])
-    if target is aten.index.Tensor:
-        return _advanced_index(node, out_shape)
-    if target is aten.gather.default:
-        dim = bind(node)["dim"] % rank
-        if dim in spec.axes:
-            raise Stop(f"gather along the selected axis {dim}")
-        x, index = node.args[0], node.args[2]
-        x_axes = [a if a == dim or _shape(x)[a] == out_shape[a] else None for a in range(rank)]
-        return Rule([Operand(x, x_axes, rank), _same_axes(index, rank)])
-    if target in _SCATTERS:
-        if bind(node)["dim"] % rank in spec.axes:
-            raise Stop(f"{name} along the selected axis")
-        operands = [a for a in (node.args[0], node.args[2], *node.args[3:4]) if isinstance(val(a), torch.Tensor)]
-        return Rule([_same_axes(a, rank) for a in operands])
-    if target is aten.scaled_dot_product_attention.default:
-        return _attention(node, spec, rank, options)
-    raise Stop(f"{name} is not known to be row-local; assumed to mix rows")
-
-
-def _dim_op(node: fx.Node, spec: Rows) -> Rule:
-    dim_name, keep_name = _DIM_OPS[node.target]
-    name = op_name(node.target)
-    inputs = node.args[0] if node.target is aten.cat.default else [node.args[0]]
-    in_rank = len(_shape(inputs[0]))
-    args = bind(node)
-    dims = args[dim_name]
-    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
-        raise Stop(f"{name} reduces over every axis")
-    dims = {d % in_rank for d in ([dims] if isinstance(dims, int) else dims)} if in_rank else set()
-    keepdim = keep_name is None or bool(args[keep_name])
-    kept = list(range(in_rank)) if keepdim else [d for d in range(in_rank) if d not in dims]
-    mixed = sorted(dims & {kept[a] for a in spec.axes})
-    if mixed:
-        raise Stop(f"{name} mixes rows along axis {mixed[0]}")
-    return Rule([Operand(x, kept, in_rank) for x in inputs])
-
-
-def _einsum(node: fx.Node, out_shape: list[int]) -> Rule:
-    equation = node.args[0].replace(" ", "")
-    if "..." in equation or "->" not in equation:
-        raise Stop("einsum with an implicit output or an ellipsis")
-    inputs, output = equation.split("->")
-    return Rule([Operand(t, [letters.index(c) if c in letters else None for c in output], len(letters), True)
-                 for letters, t in zip(inputs.split(","), node.args[1])])
-
-
-def _advanced_index(node: fx.Node, out_shape: list[int]) -> Rule:
-    x, indices = node.args[0], list(node.args[1])
-    used = [i for i, t in enumerate(indices) if t is not None]
-    if used != list(range(used[0], used[-1] + 1)):
-        raise Stop("advanced indexing with separated index tensors")
-    if any(val(indices[i]).dtype == torch.bool for i in used):
-        raise Stop("boolean-mask indexing")
-    first, last, rank = used[0], used[-1], len(out_shape)
-    block = len(torch.broadcast_shapes(*[val(indices[i]).shape for i in used]))
-    x_axes = [i if i < first else (None if i < first + block else i - block + last + 1) for i in range(rank)]
-    index_axes = [None] * first + list(range(block)) + [None] * (rank - first - block)
-    return Rule([Operand(x, x_axes, len(_shape(x)))] + [Operand(indices[i], index_axes, block, True) for i in used])
-
-
-def _attention(node: fx.Node, spec: Rows, rank: int, options: Options) -> Rule:
-    """Row-local in the query (and batch) axes: each output row reads its own query row, its own
-    mask row, and all of K/V — so gathering query and mask rows is exact (the Q-slice)."""
-    q, k, v = node.args[:3]
-    mask = bind(node)["attn_mask"]
-    if bind(node)["dropout_p"]:
-        raise Stop("attention with dropout")
-    query = rank - 2
-    if query in spec.axes and not options.q_slice:
-        raise Stop("q_slice=False keeps attention on every query row")
-    if rank - 1 in spec.axes:
-        raise Stop("attention's feature axis is selected")
-    batch = list(range(rank - 2))
-    if isinstance(spec, Flat) and set(batch) & set(spec.axes):
-        raise Stop("the rows are flat ids across requests, not provably per request: "
-                   "gathering before attention would copy K/V for every row")
-    ops = [Operand(q, batch + [query, None], rank), Operand(k, batch + [None, None], rank),
-           Operand(v, batch + [None, None], rank)]
-    if isinstance(mask, fx.Node):
-        ops.append(Operand(mask, batch + [query, None], rank, True))
-    return Rule(ops)
-
-
-# ----------------------------------------------------------------------------- operands
-
-
 def _normalize(g: _Graph, spec: Rows, shape: list[int]) -> Rows | None:
     """Drop selected axes of size 1 (they select nothing); None if nothing is left to select."""
     if isinstance(spec, Static):
@@ -611,67 +302,16 @@ def _constant(node: fx.Node, budget: int = 64) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) and not value.is_floating_point() else None
 
 
-ABSENT, BCAST, CARRIED = "absent", "bcast", "carried"
-
-
-def _operand_action(op: Operand, spec: Rows, out_shape: list[int]) -> tuple[Keep | Gather, set[int]]:
-    """What one operand needs for the output to be gathered by `spec`, and which selected
-    output axes it provides."""
-    own_shape = op.shape or _shape(op.node)
-    offset = op.rank - len(own_shape)
-
-    def kind(a: int) -> str:
-        j = op.axes[a]
-        if j is None:
-            return ABSENT
-        size = 1 if j < offset else own_shape[j - offset]
-        if j >= offset and size == out_shape[a]:
-            return CARRIED
-        if size == 1:
-            return BCAST
-        raise Stop(f"{op.node.name} has {size} rows on an axis of {out_shape[a]}")
-
-    kinds = {a: kind(a) for a in spec.axes}
-    own = {a: op.axes[a] - offset for a in spec.axes if kinds[a] == CARRIED}
-    aligned = {a: op.axes[a] for a in spec.axes if kinds[a] != ABSENT}
-    expanded = [1] * offset + own_shape
-    for a in spec.axes:
-        if kinds[a] == BCAST:
-            expanded[op.axes[a]] = out_shape[a]
-
-    if isinstance(spec, PerBatch) and kinds[spec.axis] != CARRIED:
-        return Keep(), set()
-    if all(k != CARRIED for k in kinds.values()):
-        return Keep(), set()
-    if all(k == CARRIED for k in kinds.values()):
-        return Gather(_remap(spec, own)), set(spec.axes)
-    if ABSENT in kinds.values() or not op.expandable:
-        raise Stop(f"{op.node.name} carries only some of the selected axes")
-    return Gather(_remap(spec, aligned), tuple(expanded)), set(spec.axes)
-
-
 def _plan(g: _Graph, node: fx.Node, spec: Rows, options: Options) -> dict[fx.Node, Keep | Gather]:
     """Per operand of a node gathered by `spec`: keep it, or gather it (Stop if impossible)."""
-    if node.target in _RESHAPES:
+    if node.target in RESHAPES:
         x = node.args[0]
-        inner = _through_reshape(g, spec, _shape(x), _out_shape(node), val(x).device)
+        inner = _through_reshape(g, spec, shape_of(x), out_shape_of(node), val(x).device)
         return {x: Keep() if inner is None else Gather(inner)}
     composed = _compose(node, spec)
     if composed is not None:
         return {node.args[0]: Gather(composed)}
-    rule = _rule(node, spec, options)
-    out_shape = _out_shape(node)
-    plans: dict[fx.Node, Keep | Gather] = {}
-    provided: set[int] = set()
-    for op in rule.operands:
-        action, axes = _operand_action(op, spec, out_shape)
-        if plans.setdefault(op.node, action) != action:
-            raise Stop(f"{op.node.name} is used with two row layouts")
-        provided |= axes
-    required = {spec.axis} if isinstance(spec, PerBatch) else set(spec.axes)
-    if rule.needs_carrier and not required <= provided:
-        raise Stop(f"{op_name(node.target)} creates the selected rows")
-    return plans
+    return plan_operands(node, spec, options)
 
 
 def _compose(node: fx.Node, spec: Rows) -> Static | None:
@@ -701,7 +341,7 @@ def _as_rows(g: _Graph, node: fx.Node) -> Candidate | None:
     target, x = node.target, node.args[0]
     if not isinstance(x, fx.Node) or not isinstance(val(x), torch.Tensor):
         return None
-    shape = _shape(x)
+    shape = shape_of(x)
     rank = len(shape)
     static = _as_static(node)
     if static is not None:
@@ -720,7 +360,7 @@ def _as_static(node: fx.Node) -> Static | None:
     """select / slice / narrow as a range of one axis of their input."""
     if node.target not in (aten.select.int, aten.slice.Tensor, aten.narrow.default):
         return None
-    args, shape = bind(node), _shape(node.args[0])
+    args, shape = bind(node), shape_of(node.args[0])
     dim = args["dim"] % len(shape)
     if node.target is aten.select.int:
         i = args["index"] % shape[dim]
@@ -762,9 +402,9 @@ def _advanced_index_rows(g: _Graph, node: fx.Node, x: fx.Node, shape: list[int])
     leaves = [_index_leaf(g, node, indices[i]) for i in used]
     bshape = list(torch.broadcast_shapes(*[val(t).shape for t in leaves]))
     B = shape[p]
-    if len(used) == 2 and _is_arange(leaves[0], B) and _shape(leaves[0]) == ([B] if len(bshape) == 1 else [B, 1]):
+    if len(used) == 2 and _is_arange(leaves[0], B) and shape_of(leaves[0]) == ([B] if len(bshape) == 1 else [B, 1]):
         # x[arange(B), idx] / x[arange(B)[:, None], idx]: rows idx[b] of request b
-        index = leaves[1] if _shape(leaves[1]) == bshape else g.index_op(aten.expand.default, leaves[1], bshape)
+        index = leaves[1] if shape_of(leaves[1]) == bshape else g.index_op(aten.expand.default, leaves[1], bshape)
         if len(bshape) == 1:
             index = g.index_op(aten.unsqueeze.default, index, 1)
         return Candidate(x, PerBatch(p, p + 1, index))
@@ -779,10 +419,10 @@ def _advanced_index_rows(g: _Graph, node: fx.Node, x: fx.Node, shape: list[int])
 def _gather_rows(g: _Graph, node: fx.Node, x: fx.Node, shape: list[int]) -> Candidate | None:
     """torch.gather(x, d, idx) is a row gather when idx only varies along axes 0 and d."""
     dim, index = node.args[1] % len(shape), node.args[2]
-    if index.target is not aten.expand.default or _shape(index)[:dim] + _shape(index)[dim + 1:] != shape[:dim] + shape[dim + 1:]:
+    if index.target is not aten.expand.default or shape_of(index)[:dim] + shape_of(index)[dim + 1:] != shape[:dim] + shape[dim + 1:]:
         return None
     base = index.args[0]
-    base_shape = [1] * (len(shape) - len(_shape(base))) + _shape(base)
+    base_shape = [1] * (len(shape) - len(shape_of(base))) + shape_of(base)
     if any(s != 1 for a, s in enumerate(base_shape) if a not in (0, dim)):
         return None
     base = _index_leaf(g, node, base)
@@ -813,7 +453,7 @@ def _analyse(g: _Graph, candidates: dict[fx.Node, Candidate], options: Options) 
         candidate = candidates.get(node)
         if is_mutation(node):
             reason = f"used by the in-place {op_name(node.target)} {node.name}"
-        elif node.target is operator.getitem or node.target in _VIEWS:
+        elif node.target is operator.getitem or node.target in VIEWS:
             reason = live.why[node]  # views pass the reason through
         else:
             reason = f"needed in full by {node.name}"
@@ -853,7 +493,7 @@ def _analyse(g: _Graph, candidates: dict[fx.Node, Candidate], options: Options) 
             continue
         spec = specs.pop()
         if node in candidates and _compose(node, spec) is None and \
-                _kept(candidates[node].spec, _shape(candidates[node].source)) < _kept(spec, _out_shape(node)):
+                kept(candidates[node].spec, shape_of(candidates[node].source)) < kept(spec, out_shape_of(node)):
             # A gather of a gather on another axis, one selection per tensor: the one that keeps
             # fewer elements moves (logits[:, -1][:, :V] moves the -1), the other stays after it.
             stay_full(node, "a row gather that keeps fewer rows than its users' selection")
@@ -878,7 +518,7 @@ def _pull(g: _Graph, node: fx.Node, spec: Rows, options: Options, candidates: di
     if any(isinstance(s, torch.SymInt) for s in tree_leaves([list(v.shape) for v in tree_leaves(val(node))
                                                              if isinstance(v, torch.Tensor)])):
         raise Stop("dynamic shape")
-    late = [i for i in _index_nodes(spec) if g.pos[i] >= g.pos[node]]
+    late = [i for i in index_nodes(spec) if g.pos[i] >= g.pos[node]]
     if late:
         raise Stop(f"the row index {late[0].name} is only known after {node.name}")
     for user in node.users:
@@ -898,7 +538,7 @@ def _materialize(g: _Graph, x: fx.Node, spec: Rows, name: str) -> fx.Node:
     """Emit the gather of `x` by `spec`, rank kept (at the graph's insert point)."""
     if isinstance(spec, Static):
         return emit(g.graph, aten.slice.Tensor, (x, spec.axis, spec.start, spec.stop, spec.step), name=name)
-    shape = _shape(x)
+    shape = shape_of(x)
     front = [spec.batch, spec.axis] if isinstance(spec, PerBatch) else list(spec.axes)
     perm = front + [a for a in range(len(shape)) if a not in front]
     xp = x if perm == sorted(perm) else emit(g.graph, aten.permute.default, (x, perm))
@@ -920,7 +560,7 @@ def _materialize(g: _Graph, x: fx.Node, spec: Rows, name: str) -> fx.Node:
 def _causal_mask(g: _Graph, node: fx.Node, spec: Rows) -> fx.Node:
     """is_causal=True is top-left aligned: query row i sees key j <= i. The same mask for the
     selected query rows only, as an explicit boolean mask."""
-    out, k = _out_shape(node), val(node.args[1])  # the query operand may already be gathered
+    out, k = out_shape_of(node), val(node.args[1])  # the query operand may already be gathered
     rank, L, S = len(out), out[-2], k.shape[-2]
     device = k.device
     keys = g.arange(0, S, 1, device)
@@ -942,11 +582,11 @@ def _rewrite(g: _Graph, node: fx.Node, spec: Rows, operands: dict[fx.Node, fx.No
     view sizes come from the gathered shape, not from the trace."""
     want = [gathered_shape(spec, list(v.shape)) for v in tree_leaves(val(node)) if isinstance(v, torch.Tensor)]
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: operands.get(a, a))
-    if node.target in _RESHAPES or node.target is aten.expand.default:
-        node.target = aten.reshape.default if node.target in _RESHAPES else aten.expand.default
+    if node.target in RESHAPES or node.target is aten.expand.default:
+        node.target = aten.reshape.default if node.target in RESHAPES else aten.expand.default
         args, kwargs = (args[0], want[0]), {}
     elif node.target is aten.scaled_dot_product_attention.default and bind(node)["is_causal"] \
-            and len(_shape(node.args[0])) - 2 in spec.axes:
+            and len(shape_of(node.args[0])) - 2 in spec.axes:
         names = [a.name for a in node.target._schema.arguments]
         kwargs = dict(zip(names[3:], args[3:])) | kwargs
         kwargs.update(attn_mask=_causal_mask(g, node, spec), is_causal=False)
@@ -980,16 +620,11 @@ def _emit(g: _Graph, live: _Liveness, candidates: dict[fx.Node, Candidate]) -> N
                 _rewrite(g, node, live.need[node], operands)
         candidate = candidates.get(node)
         if candidate is not None and _fired(candidate, live) and live.need.get(node) == FULL:
-            if _shape(candidate.source) == _shape(node):
+            if shape_of(candidate.source) == shape_of(node):
                 node.replace_all_uses_with(candidate.source)
             else:
-                node.target, node.args, node.kwargs = aten.reshape.default, (candidate.source, _shape(node)), {}
+                node.target, node.args, node.kwargs = aten.reshape.default, (candidate.source, shape_of(node)), {}
                 set_val(node)
-
-
-def _kept(spec: Rows, shape: list[int]) -> float:
-    """The fraction of a tensor's elements a selection keeps."""
-    return math.prod(gathered_shape(spec, shape)) / math.prod(shape)
 
 
 def _fired(candidate: Candidate, live: _Liveness) -> bool:
@@ -999,8 +634,19 @@ def _fired(candidate: Candidate, live: _Liveness) -> bool:
 # ----------------------------------------------------------------------------- the pass
 
 
-_VIEWS = _RESHAPES | {aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default,
-                      aten.select.int, aten.slice.Tensor, aten.alias.default, aten.detach.default}
+def _selects_rows(candidate: Candidate) -> bool:
+    """A row gather worth a verdict: it keeps fewer elements (a permutation saves nothing), on
+    some axis other than the feature axis — the last axis of a rank >= 3 tensor ([B, T, H],
+    [B, T, heads, d]: RoPE's halves, a vocabulary slice; in [B, T] the last axis may be the
+    tokens) — of a value computed in the graph (a weight or a view of one, like one expert of a
+    stacked MoE weight, has nothing above it to move past)."""
+    source = shape_of(candidate.source)
+    feature = len(source) - 1 if len(source) >= 3 else None
+    root = candidate.source
+    while root.op == "call_function" and root.target in VIEWS:
+        root = root.args[0]
+    return kept(candidate.spec, source) < 1 and any(a != feature for a in candidate.spec.axes) \
+        and root.op == "call_function"
 
 
 def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
@@ -1015,11 +661,11 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
         except Stop as stop:
             findings.append(Finding(NAME, node.name, False, str(stop)))
             continue
-        if candidate is not None and _kept(candidate.spec, _shape(candidate.source)) < 1:  # a permutation saves nothing
+        if candidate is not None and _selects_rows(candidate):
             candidates[node] = candidate
     g.refresh()
     live = _analyse(g, candidates, options)
-    before = {n: (node_matmul_flops(n), _out_shape(n)) for n in live.plans}
+    before = {n: (node_matmul_flops(n), out_shape_of(n)) for n in live.plans}
     _emit(g, live, candidates)
     findings += _findings(live, candidates, before)
     outputs = [val(a) for a in work.output_node().all_input_nodes]
@@ -1027,6 +673,10 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
         findings.append(Finding(NAME, "graph", False, "no row gather at the outputs: the graph returns every "
                                 "row. Compile the step that slices (logits[:, -1] inside the compiled function) "
                                 "or pass logits_to_keep=1 to Hugging Face models"))
+    reported = [name for f in findings for name in f.where.split(", ")]
+    missing = sorted({n.name for n in candidates} - set(reported))
+    if missing:
+        raise RuntimeError(f"row gathers without a finding: {missing}")
     if live.plans:
         gm.graph = work
         gm.recompile()
@@ -1054,9 +704,7 @@ def _findings(live: _Liveness, candidates: dict[fx.Node, Candidate],
         source = candidate.source
         if _fired(candidate, live) and live.need.get(node) == FULL:
             fired[root(source)].append(node)
-        elif live.need.get(node) == FULL and source in live.why and source.op == "call_function" \
-                and source.target not in _VIEWS and not is_mutation(source) \
-                and max(candidate.spec.axes) < len(_shape(source)) - 1:
+        elif node not in live.plans:  # a pulled gather is reported with the group it moved in
             findings.append(Finding(NAME, node.name, False, f"{source.name}: {live.why[source]}"))
     for group, gathers in fired.items():
         members = [n for n in live.plans if root(n) is group]
@@ -1070,8 +718,9 @@ def _findings(live: _Liveness, candidates: dict[fx.Node, Candidate],
         shape = before[source][1]
         rows = (math.prod(shape[: last + 1]), math.prod(gathered_shape(spec, shape)[: last + 1]))
         flops = (sum(before[n][0] for n in members), sum(node_matmul_flops(n) for n in members))
-        computed = sum(1 for n in members if n.target not in _VIEWS and n.target is not operator.getitem)
+        computed = sum(1 for n in members if n.target not in VIEWS and n.target is not operator.getitem)
         where = "; ".join(f"{name} ({why})" for name, why in landed.items())
+        gathers += [n for n in members if n in candidates and n not in gathers]
         findings.append(Finding(NAME, ", ".join(n.name for n in gathers), True,
                                 f"{computed} ops run on the selected rows only; gathered after {where}",
                                 rows=rows, matmul_flops=flops))
