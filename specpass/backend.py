@@ -51,7 +51,12 @@ def backend(**options: Any) -> Callable[..., Callable]:
                   "compiling it without rewrites")
             return handoff(gm, example_inputs)
 
-        result = run_passes(aten_gm, opts)
+        try:
+            result = run_passes(aten_gm, opts)
+        except Exception as exc:  # the pipeline's own checks failed on the unrewritten graph
+            _warn(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
+                  "compiling it without rewrites")
+            return handoff(gm, example_inputs)
         for error in result.report.errors:
             _warn(error)
         log_report(result.report)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 
@@ -40,6 +40,11 @@ def to_aten_ir(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
     ]
     with fake_mode:
         aten_gm = make_fx(gm, pre_dispatch=True)(*fake_inputs)
+    unknown = [n.target for n in aten_gm.graph.find_nodes(op="get_attr")
+               if isinstance(getattr(aten_gm, n.target, None), FakeTensor)]
+    if unknown:  # a tensor the program makes from data while tracing, baked in as a fake constant
+        raise CaptureError(f"the traced graph would hold constants whose values are only known at run time "
+                           f"({', '.join(sorted(set(unknown))[:3])})")
     aten_inputs = list(aten_gm.graph.find_nodes(op="placeholder"))
     if len(aten_inputs) == len(dynamo_inputs):
         for dynamo_node, aten_node in zip(dynamo_inputs, aten_inputs):
@@ -78,7 +83,7 @@ def capture(fn: Callable, *args: Any, **kwargs: Any) -> fx.GraphModule:
         with torch._dynamo.config.patch(suppress_errors=False):
             compiled(*args, **kwargs)
     except Exception as exc:  # Dynamo wraps what the backend raises; dig ours out
-        captured = _find_cause(exc, _Captured)
+        captured = find_cause(exc, _Captured)
         if captured is None:
             raise
         return captured.graph_module
@@ -95,7 +100,7 @@ def _stop_after_capture(gm: fx.GraphModule, example_inputs: list[Any], **_: Any)
     raise _Captured(to_aten_ir(gm, example_inputs))
 
 
-def _find_cause(exc: BaseException | None, kind: type) -> Any:
+def find_cause(exc: BaseException | None, kind: type) -> Any:
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, kind):

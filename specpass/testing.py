@@ -1,4 +1,5 @@
-"""A normalised, shape-annotated print of the IR, for `assertExpectedInline` graph-diff tests.
+"""Test helpers: a normalised, shape-annotated print of the IR, for `assertExpectedInline`
+graph-diff tests, and `feeds_a_write` for checks of the live-row ideal.
 
     x: f32[2, 4, 32]
     linear: f32[2, 4, 32] = linear(x, q_proj_weight)
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+from specpass.graph import is_mutation
 
 _DTYPES = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
@@ -72,3 +75,16 @@ def _arg(a: Any) -> str:
     if isinstance(a, torch.device):
         return a.type  # cpu and cuda graphs print alike
     return repr(a)
+
+
+def feeds_a_write(node: fx.Node) -> bool:
+    """Whether an in-place write (a KV write) reads `node`, directly or through other nodes."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if is_mutation(n):
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.users)
+    return False

@@ -119,6 +119,20 @@ def test_pass_failure_falls_back_with_one_warning(monkeypatch):
     _assert_same(got, expected)
 
 
+def test_pipeline_failure_before_any_pass_falls_back(monkeypatch):
+    """The pipeline's own preparation of the graph (clean-up, fake propagation) failing must not
+    break the model either."""
+    def failing(gm):
+        raise RuntimeError("injected propagation failure")
+
+    monkeypatch.setattr(pipeline, "propagate_fake_tensors", failing)
+    model, tokens, positions = _toy()
+    expected = _run(model, None, tokens, positions)
+    with pytest.warns(specpass.SpecpassWarning, match="could not prepare this graph .*injected propagation failure"):
+        got = _run(model, specpass.backend(handoff="eager"), tokens, positions)
+    _assert_same(got, expected)
+
+
 def test_pass_switched_off_by_name(monkeypatch):
     monkeypatch.setattr(pipeline, "PASSES", [("live_rows", broken_pass)])
     model, tokens, positions = _toy()

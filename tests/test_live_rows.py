@@ -277,7 +277,9 @@ index_1: f32[3, 8] = reshape(add, [3, 8])
 return (index, index_1)""")
         self.assertEqual(len(result.report.rewrites), 1)
 
-    def test_flat_static_index_becomes_per_request(self):
+    def test_flat_static_index_becomes_a_slice(self):
+        """index_select(0, arange(B) * T + T - 1) on [B * T, V] is x[:, -1]: a slice, and the
+        mask needs one row."""
         _, result = _rewrite(flat_static, Draft(), *_inputs())
         self.assertExpectedInline(graph_str(result.graph_module), """\
 a_0: f32[3, 4, 8]
@@ -287,25 +289,15 @@ a_1: i64[4]
 model_wq: f32[8, 8]
 model_wo: f32[8, 8]
 model_head: f32[16, 8]
-arange_start_step: i64[3] = arange.start_step(0, 3, 1, dtype=i64, device=cpu)
-unsqueeze_default: i64[3, 1] = unsqueeze(arange_start_step, 1)
-arange_1: i64[3] = arange(3, device=cpu, pin_memory=False)
-mul: i64[3] = mul.Tensor(arange_1, 4)
-add_1: i64[3] = add.Tensor(mul, 4)
-sub: i64[3] = sub.Tensor(add_1, 1)
-reshape_default: i64[3] = reshape(sub, [-1])
-remainder_scalar: i64[3] = remainder.Scalar(reshape_default, 4)
-reshape_default_1: i64[3, 1] = reshape(remainder_scalar, [3, 1])
 linear: f32[3, 4, 8] = linear(a_0, model_wk)
 index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
-a_0_rows: f32[3, 1, 8] = index.Tensor(a_0, [unsqueeze_default, reshape_default_1])
+a_0_rows: f32[3, 1, 8] = slice.Tensor(a_0, 1, 3, 4, 1)
 linear_1: f32[3, 1, 8] = linear(a_0_rows, model_wq)
 arange: i64[6] = arange(6, device=cpu, pin_memory=False)
-unsqueeze: i64[4, 1] = unsqueeze(a_1, 1)
-le: b8[4, 6] = le.Tensor(arange, unsqueeze)
-expand_default: b8[3, 4, 6] = expand(le, [3, 4, 6])
-le_rows: b8[3, 1, 6] = index.Tensor(expand_default, [unsqueeze_default, reshape_default_1])
-scaled_dot_product_attention: f32[3, 1, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le_rows)
+a_1_rows: i64[1] = slice.Tensor(a_1, 0, 3, 4, 1)
+unsqueeze: i64[1, 1] = reshape(a_1_rows, [1, 1])
+le: b8[1, 6] = le.Tensor(arange, unsqueeze)
+scaled_dot_product_attention: f32[3, 1, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le)
 linear_2: f32[3, 1, 8] = linear(scaled_dot_product_attention, model_wo)
 add: f32[3, 1, 8] = add.Tensor(a_0_rows, linear_2)
 rms_norm: f32[3, 1, 8] = rms_norm(add, [8])
@@ -718,3 +710,18 @@ def test_a_node_reported_twice_drops_the_pass(monkeypatch):
     monkeypatch.setattr(pipeline, "PASSES", [("live_rows", lambda gm, options: twice)])
     _, result = _rewrite(last, Draft(), *_inputs())
     assert result.report.findings == [] and "reported ['select'] twice" in result.report.errors[0]
+
+
+def test_slice_with_runtime_bounds_is_not_a_static_range():
+    """BERT-style position ids sliced by `.item()` bounds: not a static range; the pass goes on
+    (it used to raise TypeError and drop every rewrite of the graph)."""
+    def step(x, offset):
+        start = offset.item()
+        pos = torch.arange(16)[None][:, start : start + x.shape[1]]  # [1, T], bounds from a tensor
+        return (F.linear(x, torch.ones(V, H)) + pos[..., None])[:, -1]
+
+    x = torch.randn(B, T, H)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        result = specpass.rewrite(specpass.capture(step, x, torch.tensor(2)), argmax=False)
+    assert result.report.errors == []
+    assert [f.where for f in result.report.rewrites] == ["select"], str(result.report)

@@ -9,8 +9,7 @@ import torch
 
 import specpass
 from models.zoo import build
-from specpass.graph import is_mutation
-from specpass.testing import graph_str
+from specpass.testing import feeds_a_write, graph_str
 
 aten = torch.ops.aten
 HEADS = ["tiny-llama-eagle3", "tiny-deepseek-eagle3-mla", "tiny-deepseek-nextn", "tiny-qwen3.5-nextn",
@@ -378,18 +377,6 @@ index_1: f32[3, 64] = reshape(add_7, [3, 64])
 return (index, index_1)""")
 
 
-def _feeds_a_write(node: torch.fx.Node) -> bool:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if is_mutation(n):
-            return True
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.users)
-    return False
-
-
 @pytest.mark.filterwarnings("error::specpass.SpecpassWarning")
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma"])
 def test_hugging_face_static_cache(family):
@@ -429,7 +416,7 @@ def test_hugging_face_static_cache(family):
     (finding,) = report.of("live_rows")
     assert finding.fired and finding.rows == (2 * 4, 2), str(report)
     full = [n.name for n in rewritten.graph.nodes if n.target in (aten.linear.default, aten.mm.default)
-            and math.prod(n.meta["val"].shape[:-1]) == 2 * 4 and not _feeds_a_write(n)]
+            and math.prod(n.meta["val"].shape[:-1]) == 2 * 4 and not feeds_a_write(n)]
     assert not full, (full, str(report))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for got, want in zip(results[1][1], results[0][1], strict=True):

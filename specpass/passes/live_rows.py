@@ -258,10 +258,37 @@ def _through_reshape(g: _Graph, spec: Rows, in_shape: list[int], out_shape: list
     if not (isinstance(spec, Flat) and list(spec.axes) == outs_big):
         spec = _to_flat(g, spec, outs_big, out_shape, device)
     if len(ins_big) == 2:
+        same = _same_rows_per_request(spec.index, in_shape[ins_big[0]], in_shape[ins_big[1]])
+        if same is not None:  # arange(B) * T + T - 1: the static x[:, -1], however it was spelled
+            return Static(ins_big[1], same.start, same.stop, same.step)
         per_batch = _split_per_batch(g, spec.index, in_shape[ins_big[0]], in_shape[ins_big[1]])
         if per_batch is not None:  # same row order, and attention can take it without copying K/V
             return PerBatch(ins_big[0], ins_big[1], per_batch)
     return Flat(tuple(ins_big), spec.index)
+
+
+def _constant_rows_per_request(ids: fx.Node, B: int, T: int) -> torch.Tensor | None:
+    """Constant flat ids over [B * T] that pick k rows of every request in order, as [B, k] rows."""
+    value = _constant(ids)
+    if value is None or value.numel() == 0 or value.numel() % B:
+        return None
+    rows = value.reshape(B, -1)
+    if not torch.equal(rows // T, torch.arange(B).unsqueeze(1).expand_as(rows)):
+        return None
+    return rows % T
+
+
+def _same_rows_per_request(ids: fx.Node, B: int, T: int) -> range | None:
+    """Constant flat ids over [B * T] that pick the same range of rows in every request, in order."""
+    rows = _constant_rows_per_request(ids, B, T)
+    if rows is None:
+        return None
+    first = rows[0].tolist()
+    if not torch.equal(rows, rows[:1].expand_as(rows)):
+        return None
+    step = first[1] - first[0] if len(first) > 1 else 1
+    span = range(first[0], first[0] + step * len(first), step) if step > 0 else None
+    return span if span is not None and list(span) == first else None
 
 
 def _split_per_batch(g: _Graph, ids: fx.Node, B: int, T: int) -> fx.Node | None:
@@ -271,11 +298,8 @@ def _split_per_batch(g: _Graph, ids: fx.Node, B: int, T: int) -> fx.Node | None:
     known = g.per_request.get(ids)
     if known is not None and known[1:] == (B, T):
         return known[0]
-    value = _constant(ids)
-    if value is None or value.numel() % B:
-        return None
-    rows = value.reshape(B, -1)
-    if not torch.equal(rows // T, torch.arange(B).unsqueeze(1).expand_as(rows)):
+    rows = _constant_rows_per_request(ids, B, T)
+    if rows is None:
         return None
     return g.index_op(aten.reshape.default, g.index_op(aten.remainder.Scalar, ids, T), [B, rows.shape[1]])
 
@@ -361,6 +385,8 @@ def _as_static(node: fx.Node) -> Static | None:
     if node.target not in (aten.select.int, aten.slice.Tensor, aten.narrow.default):
         return None
     args, shape = bind(node), shape_of(node.args[0])
+    if any(isinstance(v, fx.Node) for v in args.values() if v is not node.args[0]):
+        return None  # bounds known only at run time (a slice by `.item()`): not a static range
     dim = args["dim"] % len(shape)
     if node.target is aten.select.int:
         i = args["index"] % shape[dim]
