@@ -29,18 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specpass.graph import is_mutation  # noqa: E402
-from specpass.testing import feeds_a_write  # noqa: E402
+from specpass.testing import full_row_matmuls  # noqa: E402
 
 B, PREFIX, T, CACHE = 3, 3, 4, 16
 SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
              eos_token_id=2)
 MAX_PARAMS = 5_000_000
-MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-           torch.ops.aten.matmul.default, torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default,
-           torch.ops.aten.einsum.default}
-
-
 def architectures() -> dict[str, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -61,17 +56,6 @@ def tiny_config(model_type: str):
                 setattr(text, name, value)
     config.use_cache = True
     return config
-
-
-def full_row_matmuls(gm) -> list[str]:
-    """Matmuls in `gm` that still run on every token row and feed no KV write."""
-    out = []
-    for n in gm.graph.nodes:
-        value = n.meta.get("val")
-        if n.target in MATMULS and isinstance(value, torch.Tensor) and not feeds_a_write(n):
-            if any(isinstance(s, int) and s in (T, B * T) for s in value.shape[:-1]):
-                out.append(n.name)
-    return out
 
 
 def sweep_one(model_type: str, class_name: str) -> dict:
@@ -147,7 +131,7 @@ def sweep_one(model_type: str, class_name: str) -> dict:
     report = result.report
     fired = [f for f in report.of("live_rows") if f.fired]
     before, after = report.matmul_flops
-    full = full_row_matmuls(result.graph_module)
+    full = full_row_matmuls(result.graph_module, {T, B * T})
     writes = any(is_mutation(n) for n in result.graph_module.graph.nodes)
     return row | dict(
         captured=True, rewritten=bool(fired),

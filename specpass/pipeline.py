@@ -12,6 +12,7 @@ invariant is dropped — the graph as it was before that pass goes on — and th
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -79,8 +80,8 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
 
 def _reported_twice(findings: list[Finding]) -> list[str]:
     """Nodes named by more than one finding: each candidate gets exactly one verdict."""
-    names = [name for f in findings for name in f.where.split(", ")]
-    return sorted({n for n in names if names.count(n) > 1})
+    counts = Counter(name for f in findings for name in f.nodes)
+    return sorted(name for name, n in counts.items() if n > 1)
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

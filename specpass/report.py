@@ -24,6 +24,10 @@ class Finding:
     rows: tuple[int, int] | None = None  # token rows computed before -> after
     matmul_flops: tuple[int, int] | None = None  # before -> after, for the nodes involved
 
+    @property
+    def nodes(self) -> list[str]:
+        return self.where.split(", ")
+
     def __str__(self) -> str:
         head = f"[{self.pass_name}] {'rewrote' if self.fired else 'left alone'} {self.where}: {self.message}"
         extras = []

@@ -1,5 +1,5 @@
 """Test helpers: a normalised, shape-annotated print of the IR, for `assertExpectedInline`
-graph-diff tests, and `feeds_a_write` for checks of the live-row ideal.
+graph-diff tests, and `full_row_matmuls` for checks of the live-row ideal.
 
     x: f32[2, 4, 32]
     linear: f32[2, 4, 32] = linear(x, q_proj_weight)
@@ -77,8 +77,21 @@ def _arg(a: Any) -> str:
     return repr(a)
 
 
-def feeds_a_write(node: fx.Node) -> bool:
-    """Whether an in-place write (a KV write) reads `node`, directly or through other nodes."""
+_MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.matmul.default, torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default,
+            torch.ops.aten.einsum.default}
+
+
+def full_row_matmuls(gm: fx.GraphModule, row_sizes: set[int]) -> list[str]:
+    """Matmuls of `gm` that still run on every token row (an output axis other than the last has
+    one of `row_sizes`: T, or B * T flattened) and feed no in-place (KV) write: the live-row ideal
+    is that there are none."""
+    return [n.name for n in gm.graph.nodes if n.target in _MATMULS and isinstance(n.meta.get("val"), torch.Tensor)
+            and any(isinstance(s, int) and s in row_sizes for s in n.meta["val"].shape[:-1])
+            and not _feeds_a_write(n)]
+
+
+def _feeds_a_write(node: fx.Node) -> bool:
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()

@@ -725,3 +725,17 @@ def test_slice_with_runtime_bounds_is_not_a_static_range():
         result = specpass.rewrite(specpass.capture(step, x, torch.tensor(2)), argmax=False)
     assert result.report.errors == []
     assert [f.where for f in result.report.rewrites] == ["select"], str(result.report)
+
+
+def test_two_spellings_of_the_last_row_move_as_one():
+    """x[arange(B), full(B, T - 1)] is x[:, -1]: both outputs share one gather and one finding,
+    and it is a slice, not an index."""
+    def both(m, x, p, live):
+        logits = m.logits(x, p)
+        return logits[:, -1], logits[torch.arange(x.shape[0]), torch.full((x.shape[0],), x.shape[1] - 1)]
+
+    _, result = _rewrite(both, Draft(), *_inputs())
+    (finding,) = result.report.of("live_rows")
+    assert finding.fired and set(finding.nodes) == {"select", "index"}, str(result.report)
+    gathers = [n.target for n in result.graph_module.graph.nodes if n.name.endswith("_rows")]
+    assert gathers and all(t is torch.ops.aten.slice.Tensor for t in gathers), gathers

@@ -1,15 +1,13 @@
 """The live-row pass on every zoo draft head and on Hugging Face models: graph diffs, the rows it
 saves, and numerics against eager (outputs and KV caches)."""
 
-import math
-
 import expecttest
 import pytest
 import torch
 
 import specpass
 from models.zoo import build
-from specpass.testing import feeds_a_write, graph_str
+from specpass.testing import full_row_matmuls, graph_str
 
 aten = torch.ops.aten
 HEADS = ["tiny-llama-eagle3", "tiny-deepseek-eagle3-mla", "tiny-deepseek-nextn", "tiny-qwen3.5-nextn",
@@ -415,9 +413,7 @@ def test_hugging_face_static_cache(family):
         results.append((logits, [layer.keys.clone() for layer in cache.layers]))
     (finding,) = report.of("live_rows")
     assert finding.fired and finding.rows == (2 * 4, 2), str(report)
-    full = [n.name for n in rewritten.graph.nodes if n.target in (aten.linear.default, aten.mm.default)
-            and math.prod(n.meta["val"].shape[:-1]) == 2 * 4 and not feeds_a_write(n)]
-    assert not full, (full, str(report))
+    assert not full_row_matmuls(rewritten, {4, 2 * 4}), str(report)
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for got, want in zip(results[1][1], results[0][1], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

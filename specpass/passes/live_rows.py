@@ -258,37 +258,28 @@ def _through_reshape(g: _Graph, spec: Rows, in_shape: list[int], out_shape: list
     if not (isinstance(spec, Flat) and list(spec.axes) == outs_big):
         spec = _to_flat(g, spec, outs_big, out_shape, device)
     if len(ins_big) == 2:
-        same = _same_rows_per_request(spec.index, in_shape[ins_big[0]], in_shape[ins_big[1]])
-        if same is not None:  # arange(B) * T + T - 1: the static x[:, -1], however it was spelled
-            return Static(ins_big[1], same.start, same.stop, same.step)
         per_batch = _split_per_batch(g, spec.index, in_shape[ins_big[0]], in_shape[ins_big[1]])
         if per_batch is not None:  # same row order, and attention can take it without copying K/V
-            return PerBatch(ins_big[0], ins_big[1], per_batch)
+            return _canonical(PerBatch(ins_big[0], ins_big[1], per_batch), in_shape)
     return Flat(tuple(ins_big), spec.index)
 
 
-def _constant_rows_per_request(ids: fx.Node, B: int, T: int) -> torch.Tensor | None:
-    """Constant flat ids over [B * T] that pick k rows of every request in order, as [B, k] rows."""
-    value = _constant(ids)
-    if value is None or value.numel() == 0 or value.numel() % B:
-        return None
-    rows = value.reshape(B, -1)
-    if not torch.equal(rows // T, torch.arange(B).unsqueeze(1).expand_as(rows)):
-        return None
-    return rows % T
-
-
-def _same_rows_per_request(ids: fx.Node, B: int, T: int) -> range | None:
-    """Constant flat ids over [B * T] that pick the same range of rows in every request, in order."""
-    rows = _constant_rows_per_request(ids, B, T)
-    if rows is None:
-        return None
+def _canonical(spec: Rows, shape: list[int]) -> Rows:
+    """A per-request selection of the same constant range in every request is the static slice it
+    spells (`arange(B) * T + T - 1` on [B * T], `x[arange(B), full(B, T - 1)]`: `x[:, -1]`), so
+    that two spellings of the same rows meet as one selection."""
+    if not isinstance(spec, PerBatch):
+        return spec
+    rows = _constant(spec.index)
+    if rows is None or rows.numel() == 0:
+        return spec
+    rows = rows % shape[spec.axis]
     first = rows[0].tolist()
-    if not torch.equal(rows, rows[:1].expand_as(rows)):
-        return None
     step = first[1] - first[0] if len(first) > 1 else 1
     span = range(first[0], first[0] + step * len(first), step) if step > 0 else None
-    return span if span is not None and list(span) == first else None
+    if span is None or not torch.equal(rows, torch.tensor(list(span)).expand_as(rows)):
+        return spec
+    return Static(spec.axis, span.start, span.stop, span.step)
 
 
 def _split_per_batch(g: _Graph, ids: fx.Node, B: int, T: int) -> fx.Node | None:
@@ -298,8 +289,11 @@ def _split_per_batch(g: _Graph, ids: fx.Node, B: int, T: int) -> fx.Node | None:
     known = g.per_request.get(ids)
     if known is not None and known[1:] == (B, T):
         return known[0]
-    rows = _constant_rows_per_request(ids, B, T)
-    if rows is None:
+    value = _constant(ids)
+    if value is None or value.numel() % B:
+        return None
+    rows = value.reshape(B, -1)
+    if not torch.equal(rows // T, torch.arange(B).unsqueeze(1).expand_as(rows)):
         return None
     return g.index_op(aten.reshape.default, g.index_op(aten.remainder.Scalar, ids, T), [B, rows.shape[1]])
 
@@ -373,11 +367,9 @@ def _as_rows(g: _Graph, node: fx.Node) -> Candidate | None:
     if target is aten.index_select.default:
         ids = _index_leaf(g, node, node.args[2])
         return Candidate(x, Flat((node.args[1] % rank,), g.index_op(aten.reshape.default, ids, [-1])))
-    if target is aten.index.Tensor:
-        return _advanced_index_rows(g, node, x, shape)
-    if target is aten.gather.default:
-        return _gather_rows(g, node, x, shape)
-    return None
+    read = {aten.index.Tensor: _advanced_index_rows, aten.gather.default: _gather_rows}.get(target)
+    candidate = read(g, node, x, shape) if read is not None else None
+    return None if candidate is None else Candidate(x, _canonical(candidate.spec, shape))
 
 
 def _as_static(node: fx.Node) -> Static | None:
@@ -699,8 +691,7 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
         findings.append(Finding(NAME, "graph", False, "no row gather at the outputs: the graph returns every "
                                 "row. Compile the step that slices (logits[:, -1] inside the compiled function) "
                                 "or pass logits_to_keep=1 to Hugging Face models"))
-    reported = [name for f in findings for name in f.where.split(", ")]
-    missing = sorted({n.name for n in candidates} - set(reported))
+    missing = sorted({n.name for n in candidates} - {name for f in findings for name in f.nodes})
     if missing:
         raise RuntimeError(f"row gathers without a finding: {missing}")
     if live.plans:
