@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx as fx
@@ -32,7 +32,9 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from specpass.graph import bind, fake_mode, is_mutation, op_name, val
 from specpass.options import Options
-from specpass.passes.rows import Flat, PerBatch, Rows, remap
+
+if TYPE_CHECKING:  # selections are duck-typed here: axes, row_axes, remap, flattens
+    from specpass.passes.live_rows.rows import Rows
 
 aten = torch.ops.aten
 
@@ -71,7 +73,7 @@ class Gather:
     expand_to: tuple[int, ...] | None = None  # expand along broadcast selected axes first
 
 
-RuleFn = Callable[[fx.Node, Rows, Options], Rule]
+RuleFn = Callable[[fx.Node, "Rows", Options], Rule]
 _RULES: dict[Any, RuleFn] = {}
 
 
@@ -169,7 +171,7 @@ def plan_operands(node: fx.Node, spec: Rows, options: Options) -> dict[fx.Node, 
         if plans.setdefault(op.node, action) != action:
             raise Stop(f"{op.node.name} is used with two row layouts")
         provided |= axes
-    required = {spec.axis} if isinstance(spec, PerBatch) else set(spec.axes)
+    required = set(spec.row_axes)
     if found.needs_carrier and not required <= provided:
         raise Stop(f"{op_name(node.target)} creates the selected rows")
     return plans
@@ -203,15 +205,13 @@ def _operand_action(op: Operand, spec: Rows, out: list[int]) -> tuple[Keep | Gat
         if kinds[a] == BCAST:
             expanded[op.axes[a]] = out[a]
 
-    if isinstance(spec, PerBatch) and kinds[spec.axis] != CARRIED:
-        return Keep(), set()
-    if all(k != CARRIED for k in kinds.values()):
+    if all(kinds[a] != CARRIED for a in spec.row_axes):  # broadcast along the rows: used as is
         return Keep(), set()
     if all(k == CARRIED for k in kinds.values()):
-        return Gather(remap(spec, own)), set(spec.axes)
+        return Gather(spec.remap(own)), set(spec.axes)
     if ABSENT in kinds.values() or not op.expandable:
         raise Stop(f"{op.node.name} carries only some of the selected axes")
-    return Gather(remap(spec, aligned), tuple(expanded)), set(spec.axes)
+    return Gather(spec.remap(aligned), tuple(expanded)), set(spec.axes)
 
 
 # ----------------------------------------------------------------------------- derived rules
@@ -510,7 +510,7 @@ def _attention(node: fx.Node, spec: Rows, options: Options) -> Rule:
     if r - 1 in spec.axes:
         raise Stop("attention's feature axis is selected")
     batch = list(range(r - 2))
-    if isinstance(spec, Flat) and set(batch) & set(spec.axes):
+    if spec.flattens(batch):
         raise Stop("the rows are flat ids across requests, not provably per request: "
                    "gathering before attention would copy K/V for every row")
     ops = [Operand(q, batch + [query, None], r), Operand(k, batch + [None, None], r),

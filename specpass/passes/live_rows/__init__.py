@@ -1,0 +1,132 @@
+"""Live rows: a row gather at the end of a draft graph moves up to right after the KV write.
+
+IR: the canonical pre-dispatch ATen of `specpass.capture` (static shapes, in-place KV writes in
+program order, `meta["val"]` on every node).
+
+A draft's catch-up step computes T rows per request and keeps one: `logits[:, -1]`,
+`h[arange(B), live]`, `h.index_select(0, last)`. Every op that is *row-local* along the gathered
+axes commutes with the gather, gather(op(x, y)) = op(gather(x), gather(y)), so the gather can
+run first and the op on the live rows only.
+
+Design: global liveness, one module per step, by rate of change.
+1. gathers.py reads every gather (select, slice, narrow, index, index_select, gather) as a row
+   selection on its source — rows.py: `Static`, `PerBatch`, `Flat`.
+2. liveness.py, backward: a node whose users all need the same selection and whose op is
+   row-local for it (row_rules.py, shared with the arg-max pass) is pulled; its operands need the
+   selection mapped onto their axes (through reshapes: reshape.py).
+3. emission.py, forward: each pulled node is rewritten in place on gathered operands.
+program.py holds the graph under rewrite: program order, in-place writes, index arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from specpass.graph import val
+from specpass.options import Options
+from specpass.passes.live_rows.emission import emit_live_rows
+from specpass.passes.live_rows.gathers import Candidate, read_gather
+from specpass.passes.live_rows.liveness import FULL, Liveness, analyse
+from specpass.passes.live_rows.program import Program
+from specpass.passes.live_rows.rows import kept
+from specpass.passes.row_rules import VIEWS, Gather, Stop, out_shape_of, shape_of
+from specpass.report import Finding, node_matmul_flops
+
+NAME = "live_rows"
+
+
+def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
+    """Move every row gather as far up as it is exact; report what moved and what stayed."""
+    work = gm.graph.__deepcopy__()  # left unused (and gm untouched) if nothing fires
+    prog = Program(work)
+    candidates: dict[fx.Node, Candidate] = {}
+    findings: list[Finding] = []
+    for node in list(work.nodes):
+        try:
+            candidate = read_gather(prog, node)
+        except Stop as stop:
+            findings.append(Finding(NAME, node.name, False, str(stop)))
+            continue
+        if candidate is not None and _selects_rows(candidate):
+            candidates[node] = candidate
+    prog.refresh()
+    live = analyse(prog, candidates, options)
+    before = {n: (node_matmul_flops(n), out_shape_of(n)) for n in live.plans}
+    emit_live_rows(prog, live, candidates)
+    findings += _findings(live, candidates, before)
+    outputs = [val(a) for a in work.output_node().all_input_nodes]
+    if not findings and any(isinstance(v, torch.Tensor) and v.dim() >= 3 for v in outputs):
+        findings.append(Finding(NAME, "graph", False, "no row gather at the outputs: the graph returns every "
+                                "row. Compile the step that slices (logits[:, -1] inside the compiled function) "
+                                "or pass logits_to_keep=1 to Hugging Face models"))
+    missing = sorted({n.name for n in candidates} - {name for f in findings for name in f.nodes})
+    if missing:
+        raise RuntimeError(f"row gathers without a finding: {missing}")
+    if live.plans:
+        gm.graph = work
+        gm.recompile()
+    return findings
+
+
+def _selects_rows(candidate: Candidate) -> bool:
+    """A row gather worth a verdict: it keeps fewer elements (a permutation saves nothing), on
+    some axis other than the feature axis — the last axis of a rank >= 3 tensor ([B, T, H],
+    [B, T, heads, d]: RoPE's halves, a vocabulary slice; in [B, T] the last axis may be the
+    tokens) — of a value computed in the graph (a weight or a view of one, like one expert of a
+    stacked MoE weight, has nothing above it to move past)."""
+    source = shape_of(candidate.source)
+    feature = len(source) - 1 if len(source) >= 3 else None
+    root = candidate.source
+    while root.op == "call_function" and root.target in VIEWS:
+        root = root.args[0]
+    return kept(candidate.spec, source) < 1 and any(a != feature for a in candidate.spec.axes) \
+        and root.op == "call_function"
+
+
+def _findings(live: Liveness, candidates: dict[fx.Node, Candidate],
+              before: dict[fx.Node, tuple[int, list[int]]]) -> list[Finding]:
+    # Pulled nodes linked through gathered operands form one moved gather; outputs that select
+    # the same rows share it.
+    parent = {n: n for n in live.plans}
+
+    def root(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            n = parent[n]
+        return n
+
+    for node, plan in live.plans.items():
+        for operand, action in plan.items():
+            if operand in parent and isinstance(action, Gather):
+                parent[root(operand)] = root(node)
+    findings = []
+    fired: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for node, candidate in candidates.items():
+        source = candidate.source
+        if live.fired(candidate) and live.need.get(node) == FULL:
+            fired[root(source)].append(node)
+        elif node not in live.plans:  # a pulled gather is reported with the group it moved in
+            findings.append(Finding(NAME, node.name, False, f"{source.name}: {live.why[source]}"))
+    for group, gathers in fired.items():
+        members = [n for n in live.plans if root(n) is group]
+        landed = {}
+        for n in members:
+            for operand, action in live.plans[n].items():
+                if isinstance(action, Gather) and operand not in live.plans:
+                    landed.setdefault(operand.name, live.why[operand])
+        source, spec = candidates[gathers[0]].source, candidates[gathers[0]].spec
+        last = max(spec.axes)
+        shape = before[source][1]
+        rows = (math.prod(shape[: last + 1]), math.prod(spec.gathered_shape(shape)[: last + 1]))
+        flops = (sum(before[n][0] for n in members), sum(node_matmul_flops(n) for n in members))
+        computed = sum(1 for n in members if n.target not in VIEWS and n.target is not operator.getitem)
+        where = "; ".join(f"{name} ({why})" for name, why in landed.items())
+        gathers += [n for n in members if n in candidates and n not in gathers]
+        findings.append(Finding(NAME, ", ".join(n.name for n in gathers), True,
+                                f"{computed} ops run on the selected rows only; gathered after {where}",
+                                rows=rows, matmul_flops=flops))
+    return findings
