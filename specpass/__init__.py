@@ -12,6 +12,7 @@ import types
 from specpass.backend import SpecpassWarning, backend, default_backend
 from specpass.capture import CaptureError, capture
 from specpass.options import Options
+from specpass.passes.row_rules import register_row_rule
 from specpass.pipeline import PASSES, RewriteResult, explain, rewrite
 from specpass.report import Finding, Report
 
@@ -26,6 +27,7 @@ __all__ = [
     "backend",
     "capture",
     "explain",
+    "register_row_rule",
     "rewrite",
 ]
 
