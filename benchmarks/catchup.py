@@ -7,7 +7,13 @@ their K/V and samples one live row per request (a different one for each request
 Each variant is compiled once by Inductor and timed twice: launched as is, and captured into
 one CUDA graph per shape (as an engine replays its draft step). Median ms per step.
 
+`--fused-qkv` fuses the head's q/k/v projections into one `qkv_proj` (as engines load them) and
+compares specpass as it comes (the fused projection split by liveness, Q on the live rows, from
+`split_min_rows` rows on), specpass splitting at every size (`split_min_rows=0`) and never
+(`split_projections=False`), and the hand-placed Q-slice after the fused projection.
+
     python benchmarks/catchup.py --out results.json             # the full sweep, on a GPU
+    python benchmarks/catchup.py --fused-qkv --tokens 4 --out fused.json
     python benchmarks/catchup.py --device cpu --quick           # a smoke test of the script
 """
 
@@ -31,7 +37,8 @@ from models.layers import apply_rope, attend, rope, write_cache  # noqa: E402
 def hand_catch_up(self, tokens, positions, hidden, live):
     """`Eagle3Head.catch_up` patched by hand the way engines patch their model classes (TokenSpeed
     PR #217 for this head): the live rows are gathered right after the KV write, query side
-    included. Bound to the head as a method, so it compiles with the same guards as catch_up."""
+    included (with a fused qkv_proj the projection stays on every row, as in that patch). Bound to
+    the head as a method, so it compiles with the same guards as catch_up."""
     B, T = tokens.shape
     layer, cfg = self.midlayer, self.config
     attn = layer.self_attn
@@ -40,16 +47,40 @@ def hand_catch_up(self, tokens, positions, hidden, live):
     embeds = self.embed_tokens(tokens)
     cos, sin = rope(positions, self.rope_dim, cfg.rope_theta, embeds.dtype)
     x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
-    k = apply_rope(attn.k_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim), cos, sin)
-    write_cache(attn.k_cache, positions, k)  # every row's K/V
-    write_cache(attn.v_cache, positions, attn.v_proj(x).view(B, T, attn.n_kv_heads, attn.head_dim))
     rows = torch.arange(B, device=tokens.device)
     pick = lambda t: t[rows, live][:, None]  # noqa: E731  [B, 1, ...]: the live row only from here on
-    q = apply_rope(attn.q_proj(pick(x)).view(B, 1, attn.n_heads, attn.head_dim), pick(cos), pick(sin))
+    kv = attn.n_kv_heads * attn.head_dim
+    if hasattr(attn, "qkv_proj"):
+        q, k, v = attn.qkv_proj(x).split([attn.n_heads * attn.head_dim, kv, kv], dim=-1)  # every row
+        q = pick(q)
+    else:
+        q, k, v = attn.q_proj(pick(x)), attn.k_proj(x), attn.v_proj(x)
+    k = apply_rope(k.view(B, T, attn.n_kv_heads, attn.head_dim), cos, sin)
+    write_cache(attn.k_cache, positions, k)  # every row's K/V
+    write_cache(attn.v_cache, positions, v.view(B, T, attn.n_kv_heads, attn.head_dim))
+    q = apply_rope(q.view(B, 1, attn.n_heads, attn.head_dim), pick(cos), pick(sin))
     out = attend(q, attn.k_cache, attn.v_cache, self.mask(pick(positions)), attn.head_dim**-0.5)
     h = pick(hidden) + attn.o_proj(out.reshape(B, 1, -1))
     h = h + layer.mlp(layer.post_attention_layernorm(h))
     return self.lm_head(self.norm(h))[:, 0], h[:, 0]
+
+
+def fuse_qkv(attn: torch.nn.Module) -> None:
+    """Replace q/k/v_proj by one qkv_proj over their concatenated weights, as engines load them."""
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    attn.qkv_proj = torch.nn.Linear(q.in_features, q.out_features + 2 * k.out_features, bias=False,
+                                    device=q.weight.device, dtype=q.weight.dtype)
+    attn.qkv_proj.weight.data = torch.cat([q.weight, k.weight, v.weight])
+    del attn.q_proj, attn.k_proj, attn.v_proj
+
+    def project(self, x, rope_cs):
+        B, T, _ = x.shape
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, kv, kv], dim=-1)
+        q, k = q.reshape(B, T, self.n_heads, self.head_dim), k.view(B, T, self.n_kv_heads, self.head_dim)
+        return apply_rope(q, *rope_cs), apply_rope(k, *rope_cs), v.view(B, T, self.n_kv_heads, self.head_dim), None
+
+    attn.project = types.MethodType(project, attn)
 
 
 def _replayable(fn, args, graph: bool):
@@ -92,6 +123,7 @@ def main() -> None:
     parser.add_argument("--cache", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="a tiny head on the CPU: checks the script runs")
+    parser.add_argument("--fused-qkv", action="store_true", help="one qkv_proj, as engines load the head")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
 
@@ -101,6 +133,8 @@ def main() -> None:
         config, dtype = zoo.config("llama3-8b-eagle3"), torch.bfloat16
     assert isinstance(config, Eagle3Config)
     head = zoo.build(config, device=args.device, dtype=dtype)
+    if args.fused_qkv:
+        fuse_qkv(head.midlayer.self_attn)
     torch.set_grad_enabled(False)
     torch._dynamo.config.recompile_limit = 64  # one compile per shape and variant
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
@@ -123,6 +157,10 @@ def main() -> None:
                 "specpass": torch.compile(head.catch_up, backend=specpass, dynamic=False),
                 "hand": torch.compile(types.MethodType(hand_catch_up, head), dynamic=False),
             }
+            if args.fused_qkv:
+                for name, options in (("never", dict(split_projections=False)), ("always", dict(split_min_rows=0))):
+                    variants[f"split_{name}"] = torch.compile(head.catch_up, backend=specpass.backend(**options),
+                                                              dynamic=False)
             outputs = {name: [t.clone() for t in fn(*inputs)] for name, fn in variants.items()}
             reference = head.catch_up(*inputs)
             row = {"batch": B, "tokens": T}
@@ -140,9 +178,21 @@ def main() -> None:
     report = specpass.explain(head.catch_up, *inputs)
     print(report)
     if args.out:
-        args.out.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "results": results,
-                                        "report": str(report)}, indent=1))
+        args.out.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "fused_qkv": args.fused_qkv,
+                                        "results": results, "report": str(report)}, indent=1))
     if args.device != "cuda":
+        return
+    if args.fused_qkv:
+        names = ("inductor", "hand", "split_never", "split_always", "specpass")
+        for suffix, title in (("_graph_ms", "with CUDA graphs"), ("_ms", "without")):
+            print(f"\n{title}: ms per step; hand / specpass (> 1: specpass faster)")
+            print("| T | bs | rows | Inductor | hand Q-slice | specpass, never split | specpass, always split | "
+                  "specpass | never / hand | always / hand | specpass / hand |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|")
+            for r in results:
+                cells = [f"{r[n + suffix]:.3f}" for n in names]
+                cells += [f"{r['hand' + suffix] / r[n + suffix]:.3f}x" for n in names[2:]]
+                print(f"| {r['tokens']} | {r['batch']} | {r['batch'] * r['tokens']} | " + " | ".join(cells) + " |")
         return
     print("\n| T | bs | Inductor | specpass | hand Q-slice | specpass / hand | speedup | "
           "Inductor (graph) | specpass (graph) | hand (graph) | specpass / hand | speedup |")

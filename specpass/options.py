@@ -14,6 +14,13 @@ class Options:
     # live_rows: also gather attention's query rows (exact with K/V read from the cache).
     # Off keeps the gather after attention, for kernels that need as many queries as K/V rows.
     q_slice: bool = True
+    # live_rows: split a fused projection (QKV, gate_up) whose column blocks have different needs
+    # (K/V on every row, Q on the live rows) into one matmul per block over the weight's rows.
+    split_projections: bool = True
+    # ... when it runs on at least this many rows. Below, the matmul is bound by reading its weight
+    # (the same bytes whatever the rows: at 256 rows an H100 matmul is still memory-bound), so a
+    # split saves no time and adds a launch (benchmarks/catchup.py --fused-qkv, docs/results.md).
+    split_min_rows: int = 512
     # argmax: "exact" keeps exp(top_x - logsumexp(x)); "ones" replaces used probability
     # values by 1 (only when the caller states the values do not matter).
     max_probs: str = "exact"
@@ -31,9 +38,13 @@ class Options:
             raise TypeError(
                 f"unknown specpass option(s) {unknown}; valid options are {cls.names()}"
             )
-        for name in ("argmax", "live_rows", "q_slice"):
+        for name in ("argmax", "live_rows", "q_slice", "split_projections"):
             if name in options and not isinstance(options[name], bool):
                 raise ValueError(f"specpass option {name}= must be True or False, got {options[name]!r}")
+        if "split_min_rows" in options and (not isinstance(options["split_min_rows"], int)
+                                            or isinstance(options["split_min_rows"], bool)
+                                            or options["split_min_rows"] < 0):
+            raise ValueError(f"specpass option split_min_rows= must be an int >= 0, got {options['split_min_rows']!r}")
         choices = {"max_probs": ("exact", "ones"), "handoff": ("inductor", "eager")}
         for name, allowed in choices.items():
             if name in options and options[name] not in allowed:

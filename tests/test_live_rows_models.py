@@ -380,7 +380,8 @@ return (index, index_1)""")
 def test_hugging_face_static_cache(family):
     """transformers' own models, unchanged: the compiled step slices logits[:, -1]. The ideal is
     reached: every matmul that feeds no KV write runs on the live rows only (Phi-3's eval-mode
-    dropout and Gemma's type_as are row-local through their decompositions)."""
+    dropout and Gemma's type_as are row-local through their decompositions; Phi-3's fused qkv_proj
+    is split so that its query block runs on the live rows only)."""
     import transformers
     from transformers import StaticCache
 
@@ -406,14 +407,17 @@ def test_hugging_face_static_cache(family):
         with torch.no_grad():
             model(input_ids=ids[:, :3], past_key_values=cache, use_cache=True)  # a prefix in the cache
             if compiled:
-                result = specpass.rewrite(specpass.capture(step, ids[:, 3:], torch.arange(3, 7)))
+                # split_min_rows=0: split Phi-3's fused qkv_proj even at these few rows
+                result = specpass.rewrite(specpass.capture(step, ids[:, 3:], torch.arange(3, 7)), split_min_rows=0)
                 report, rewritten = result.report, result.graph_module
-                step = torch.compile(step, backend=specpass.backend(handoff="eager"))
+                step = torch.compile(step, backend=specpass.backend(handoff="eager", split_min_rows=0))
             logits = step(ids[:, 3:], torch.arange(3, 7))
         results.append((logits, [layer.keys.clone() for layer in cache.layers]))
-    (finding,) = report.of("live_rows")
+    (finding,) = [f for f in report.of("live_rows") if f.rows is not None]
     assert finding.fired and finding.rows == (2 * 4, 2), str(report)
     assert not full_row_matmuls(rewritten, {4, 2 * 4}), str(report)
+    splits = [f for f in report.of("live_rows") if f.rows is None]  # Phi-3's fused qkv_proj: Q on live rows
+    assert [f.fired for f in splits] == ([True] if family == "phi3" else []), str(report)
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
     for got, want in zip(results[1][1], results[0][1], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

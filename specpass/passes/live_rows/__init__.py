@@ -14,7 +14,9 @@ Design: global liveness, one module per step, by rate of change.
 2. liveness.py, backward: a node whose users all need the same selection and whose op is
    row-local for it (row_rules.py, shared with the arg-max pass) is pulled; its operands need the
    selection mapped onto their axes (through reshapes: reshape.py).
-3. emission.py, forward: each pulled node is rewritten in place on gathered operands.
+3. split.py: a fused projection whose column blocks have different needs (K/V on every row, Q
+   on the live rows) is cut into one matmul per block, and liveness runs again.
+4. emission.py, forward: each pulled node is rewritten in place on gathered operands.
 program.py holds the graph under rewrite: program order, in-place writes, index arithmetic.
 """
 
@@ -34,6 +36,7 @@ from specpass.passes.live_rows.gathers import Candidate, read_gather
 from specpass.passes.live_rows.liveness import FULL, Liveness, analyse
 from specpass.passes.live_rows.program import Program
 from specpass.passes.live_rows.rows import kept
+from specpass.passes.live_rows.split import Split, split_fused
 from specpass.passes.row_rules import VIEWS, Gather, Stop, out_shape_of, shape_of
 from specpass.report import Finding, node_matmul_flops
 
@@ -56,9 +59,16 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
             candidates[node] = candidate
     prog.refresh()
     live = analyse(prog, candidates, options)
+    splits = []
+    while options.split_projections:
+        cut = split_fused(prog, live, candidates, options)
+        if not cut:
+            break
+        splits += cut
+        live = analyse(prog, candidates, options)
     before = {n: (node_matmul_flops(n), out_shape_of(n)) for n in live.plans}
     emit_live_rows(prog, live, candidates)
-    findings += _findings(live, candidates, before)
+    findings += _findings(live, candidates, before) + [_split_finding(s) for s in splits]
     outputs = [val(a) for a in work.output_node().all_input_nodes]
     if not findings and any(isinstance(v, torch.Tensor) and v.dim() >= 3 for v in outputs):
         findings.append(Finding(NAME, "graph", False, "no row gather at the outputs: the graph returns every "
@@ -67,7 +77,7 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
     missing = sorted({n.name for n in candidates} - {name for f in findings for name in f.nodes})
     if missing:
         raise RuntimeError(f"row gathers without a finding: {missing}")
-    if live.plans:
+    if live.plans or splits:
         gm.graph = work
         gm.recompile()
     return findings
@@ -130,3 +140,11 @@ def _findings(live: Liveness, candidates: dict[fx.Node, Candidate],
                                 f"{computed} ops run on the selected rows only; gathered after {where}",
                                 rows=rows, matmul_flops=flops))
     return findings
+
+
+def _split_finding(split: Split) -> Finding:
+    blocks = ", ".join(f"{start}:{stop} on {'every row' if need == FULL else 'the selected rows'}"
+                       for start, stop, _, need in split.blocks)
+    after = sum(node_matmul_flops(block) for _, _, block, _ in split.blocks)
+    return Finding(NAME, split.name, True, f"fused projection split by the needs of its columns: {blocks}",
+                   matmul_flops=(split.matmul_flops, after))

@@ -35,6 +35,7 @@ class Liveness:
     need: dict[fx.Node, Any]  # FULL, or the selection its users need
     plans: dict[fx.Node, dict[fx.Node, Keep | Gather]]  # pulled nodes: what each operand needs
     why: dict[fx.Node, str]  # why a node is needed on every row
+    asked: dict[fx.Node, Any]  # what its users asked for: their one selection, or FULL
 
     def fired(self, candidate: Candidate) -> bool:
         """Did this gather's selection move above its source?"""
@@ -42,7 +43,7 @@ class Liveness:
 
 
 def analyse(prog: Program, candidates: dict[fx.Node, Candidate], options: Options) -> Liveness:
-    live = Liveness({}, {}, {})
+    live = Liveness({}, {}, {}, {})
     demands: dict[fx.Node, list[tuple[Any, str]]] = defaultdict(list)
 
     def demand_all(node: fx.Node) -> None:
@@ -76,6 +77,7 @@ def analyse(prog: Program, candidates: dict[fx.Node, Candidate], options: Option
         if not wanted and not is_mutation(node):
             continue  # dead
         specs = {spec for spec, _ in wanted}
+        live.asked[node] = next(iter(specs)) if len(specs) == 1 else FULL
         if is_mutation(node):
             live.need[node] = FULL
             live.why[node] = f"an in-place {op_name(node.target)}"
