@@ -1,7 +1,8 @@
 """The canonical IR every pass sees, and how a Dynamo graph becomes it.
 
 IR: undecomposed pre-dispatch ATen, traced with `make_fx(pre_dispatch=True)` inside Dynamo's
-own fake mode, with static shapes. It keeps `aten.linear`, `aten.softmax.int`,
+own fake mode, with the sizes Dynamo gave the inputs: static, or symbolic (`dynamic=True`,
+`mark_dynamic`; the symbolic sizes are graph inputs or `sym_size` of one). It keeps `aten.linear`, `aten.softmax.int`,
 `aten.scaled_dot_product_attention`, `aten.select.int`, and KV writes as in-place ops
 (`index_copy_`, `index_put_`, `copy_` into a slice) on placeholder buffers, in program order.
 Every tensor-valued node carries a fake tensor in `meta["val"]`. Placeholders are named after
@@ -15,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
+from torch._guards import TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -27,19 +28,9 @@ class CaptureError(RuntimeError):
 def to_aten_ir(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
     """Dynamo graph (torch-level FX) -> canonical IR (see module docstring)."""
     dynamo_inputs = list(gm.graph.find_nodes(op="placeholder"))
-    for node in dynamo_inputs:
-        if _is_symbolic(node.meta.get("example_value")):
-            raise CaptureError(
-                f"input {node.name} has dynamic shapes; specpass rewrites static graphs: "
-                "compile with dynamic=False or mark the inputs static"
-            )
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
-    fake_inputs = [
-        fake_mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x
-        for x in example_inputs
-    ]
     with fake_mode:
-        aten_gm = make_fx(gm, pre_dispatch=True)(*fake_inputs)
+        aten_gm = make_fx(gm, pre_dispatch=True)(*[_fake(fake_mode, x) for x in example_inputs])
     unknown = [n.target for n in aten_gm.graph.find_nodes(op="get_attr")
                if isinstance(getattr(aten_gm, n.target, None), FakeTensor)]
     if unknown:  # a tensor the program makes from data while tracing, baked in as a fake constant
@@ -72,13 +63,14 @@ def adopt_dynamo_inputs(dynamo_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> N
             aten_node.meta["tensor_dict"] = dynamo_node.meta["tensor_dict"]
 
 
-def capture(fn: Callable, *args: Any, **kwargs: Any) -> fx.GraphModule:
+def capture(fn: Callable, *args: Any, dynamic: bool = False, **kwargs: Any) -> fx.GraphModule:
     """Trace `fn(*args, **kwargs)` into the IR the backend compiles, without running it.
 
     `fn` is a module or a function; it must compile to one graph (`fullgraph=True`).
-    Buffers it mutates (KV caches) are left untouched.
+    Buffers it mutates (KV caches) are left untouched. `dynamic=True` captures with symbolic
+    sizes, as `torch.compile(fn, dynamic=True)` does.
     """
-    compiled = torch.compile(fn, backend=_stop_after_capture, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, backend=_stop_after_capture, fullgraph=True, dynamic=dynamic)
     try:
         with torch._dynamo.config.patch(suppress_errors=False):
             compiled(*args, **kwargs)
@@ -110,10 +102,18 @@ def find_cause(exc: BaseException | None, kind: type) -> Any:
     return None
 
 
-def _is_symbolic(value: Any) -> bool:
-    if isinstance(value, torch.SymInt):
-        return True
-    return isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in value.shape)
+def _fake(fake_mode: FakeTensorMode, x: Any) -> Any:
+    """An input as Dynamo saw it: with the symbolic sizes Dynamo gave it (its symbolic context in
+    the tracing context), static otherwise (parameters, buffers, graphs compiled static)."""
+    if not isinstance(x, torch.Tensor):
+        return x  # ints, and the SymInts of dynamic sizes
+    if isinstance(x, FakeTensor):
+        return x if x.fake_mode is fake_mode else fake_mode.from_tensor(x)
+    context = TracingContext.try_get()
+    symbolic = context.tensor_to_context.get(x) if context is not None else None
+    if symbolic is None:
+        return fake_mode.from_tensor(x, static_shapes=True)
+    return fake_mode.from_tensor(x, symbolic_context=symbolic, source=symbolic.tensor_source, trace=False)
 
 
 def _input_name(dynamo_name: str) -> str:

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import operator
+import weakref
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
+
+
+# Ops that read a tensor's value into a Python scalar on the host (`.item()`, `.tolist()`).
+SCALAR_READS = {aten.item.default, aten._local_scalar_dense.default}
 
 
 def val(node: Any) -> Any:
@@ -27,8 +35,115 @@ def fake_mode(graph: fx.Graph) -> FakeTensorMode:
 
 
 def emit(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, name: str | None = None) -> fx.Node:
-    """Insert `target(*args, **kwargs)` at the graph's insert point, with its meta["val"]."""
-    node = graph.call_function(target, args, kwargs or {}, name=name)
+    """Insert `target(*args, **kwargs)` at the graph's insert point, with its meta["val"]. Symbolic
+    sizes among the arguments become nodes that compute them (`size_args`)."""
+    args, kwargs = size_args(graph, (args, kwargs or {}))
+    node = graph.call_function(target, args, kwargs, name=name)
+    set_val(node)
+    return node
+
+
+# ----------------------------------------------------------------------------- symbolic sizes
+# With dynamic shapes a size is a SymInt (`s0`, `4*s0`). The passes decide only what holds for
+# every value a size may take — `known` never adds a guard, so a rewrite never specializes the
+# graph — and a size that goes into a new node's arguments is computed by nodes of the graph
+# (`sym_size(x, 0) * 4`), never baked in.
+
+
+def known(condition: Any) -> bool:
+    """Does a condition on sizes (a bool, or a SymBool) hold for every size the graph allows?"""
+    return statically_known_true(condition)
+
+
+def hint(size: Any) -> int | None:
+    """A size's value in the call that was captured (None if data-dependent): input to a heuristic
+    (is a rewrite worth it), never to a decision on correctness."""
+    return size.node.hint if isinstance(size, torch.SymInt) else size
+
+
+def same_shape(a: Any, b: Any) -> bool:
+    return len(a) == len(b) and all(known(x == y) for x, y in zip(a, b))
+
+
+def is_symbolic(value: Any) -> bool:
+    return isinstance(value, torch.SymInt) and not value.node.expr.is_number
+
+
+def to_the_end(end: Any) -> bool:
+    """A slice end that means "to the end of the axis": None, or `x[a:]`'s sys.maxsize (a
+    symbolic size has no upper bound to compare it with)."""
+    return end is None or (isinstance(end, int) and end >= 2**62)
+
+
+def size_key(sizes: Any) -> Any:
+    """Sizes as a hashable key: symbolic ones as their expressions (hashing a SymInt fails)."""
+    return tree_map(lambda v: v.node.expr if isinstance(v, torch.SymInt) else v, sizes)
+
+
+def static_int(value: Any) -> Any:
+    """A size as a Python int where it is one (`s1 - (s1 - 1)` is 1), else the SymInt."""
+    return int(value.node.expr) if isinstance(value, torch.SymInt) and not is_symbolic(value) else value
+
+
+def size_args(graph: fx.Graph, tree: Any) -> Any:
+    """`tree` with each symbolic size replaced by a node of `graph` that computes it."""
+    def convert(v: Any) -> Any:
+        if isinstance(v, torch.SymInt):
+            return _size_node(graph, v.node.expr) if is_symbolic(v) else int(v.node.expr)
+        return v
+
+    return tree_map(convert, tree)
+
+
+_SIZE_NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {expr: node}
+_ARITHMETIC = {sympy.Add: operator.add, sympy.Mul: operator.mul}
+
+
+def _size_node(graph: fx.Graph, expr: sympy.Expr) -> Any:
+    nodes = _SIZE_NODES.setdefault(graph, {})
+    node = nodes.get(expr)
+    if node is not None and node.graph is graph and not node._erased:
+        return node
+    if expr.is_Integer:
+        return int(expr)
+    if expr.is_Symbol:
+        node = _symbol_source(graph, expr)
+    elif type(expr) in _ARITHMETIC:
+        terms = [_size_node(graph, t) for t in expr.args]
+        node = terms[0]
+        for term in terms[1:]:
+            node = _emit_after_inputs(graph, _ARITHMETIC[type(expr)], (node, term))
+    elif type(expr).__name__ == "FloorDiv":
+        node = _emit_after_inputs(graph, operator.floordiv, tuple(_size_node(graph, t) for t in expr.args))
+    else:
+        raise ValueError(f"no node of the graph computes the symbolic size {expr}")
+    nodes[expr] = node
+    return node
+
+
+def _symbol_source(graph: fx.Graph, symbol: sympy.Symbol) -> fx.Node:
+    """A SymInt input that is `symbol`, or `sym_size` of the first input with an axis of that size."""
+    inputs = list(graph.find_nodes(op="placeholder"))
+    for p in inputs:
+        if isinstance(val(p), torch.SymInt) and val(p).node.expr == symbol:
+            return p
+    for p in inputs:
+        v = val(p)
+        if isinstance(v, torch.Tensor):
+            for d, size in enumerate(v.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr == symbol:
+                    return _emit_after_inputs(graph, aten.sym_size.int, (p, d))
+    raise ValueError(f"no input of the graph has the symbolic size {symbol}")
+
+
+def _emit_after_inputs(graph: fx.Graph, target: Any, args: tuple) -> fx.Node:
+    """A size computation placed right after the inputs and the size nodes it reads, so that it
+    exists wherever a node that needs it is inserted."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = max([*graph.find_nodes(op="placeholder"), *(a for a in args if isinstance(a, fx.Node))],
+                 key=order.__getitem__)
+    with graph.inserting_after(anchor):
+        node = graph.call_function(target, args)
     set_val(node)
     return node
 

@@ -21,7 +21,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from specpass.capture import capture
-from specpass.graph import is_impure, is_mutation
+from specpass.graph import SCALAR_READS, is_impure, is_mutation, same_shape
 from specpass.options import Options
 from specpass.passes import argmax, live_rows
 from specpass.report import Finding, Report, graph_matmul_flops
@@ -59,10 +59,12 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
         if not getattr(options, name):
             continue
         candidate = _copy(current)
+        fixed = _fixed_sizes(current)
         try:
             findings = run(candidate, options)
             _clean(candidate)
             _check_invariants(before=current, after=candidate)
+            _check_no_specialization(candidate, fixed)
         except Exception as exc:
             report.errors.append(
                 f"pass {name} failed ({type(exc).__name__}: {exc}); the graph is kept as it was before {name}"
@@ -99,16 +101,25 @@ def _clean(gm: fx.GraphModule) -> None:
 def propagate_fake_tensors(gm: fx.GraphModule) -> None:
     """Recompute every node's meta["val"] from the placeholders' fake tensors."""
     inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
-    fake_mode = detect_fake_mode(inputs)
-    if fake_mode is None:
+    mode = detect_fake_mode(inputs)
+    if mode is None:
         raise RuntimeError("placeholders carry no fake tensors; is this graph from specpass.capture?")
-    _ConstantsAsFake(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
+    _ConstantsAsFake(gm, mode).propagate_dont_convert_inputs(*inputs)
 
 
 class _ConstantsAsFake(FakeTensorProp):
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)
-        return self._mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+        # static: a constant has the sizes it has (a fresh symbol would be one Dynamo never saw)
+        return self._mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
+
+    def run_node(self, n: fx.Node) -> Any:
+        # A scalar read from a tensor (`.item()` of a config float Dynamo made an input) keeps the
+        # symbol capture gave it: run again, it would be a fresh unknown with nothing known of it.
+        if n.target in SCALAR_READS and isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat)):
+            return n.meta["val"]
+        return super().run_node(n)
+
 
 
 def _signature(gm: fx.GraphModule) -> tuple[list[Any], list[Any]]:
@@ -125,9 +136,41 @@ def _out_sig(arg: Any) -> Any:
     return type(value)
 
 
+def _same_outputs(a: list[Any], b: list[Any]) -> bool:
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, tuple) and isinstance(y, tuple):
+            return same_shape(x[0], y[0]) and x[1] == y[1]
+        return x == y
+
+    return len(a) == len(b) and all(map(same, a, b))
+
+
+def _fixed_sizes(gm: fx.GraphModule) -> dict[Any, Any]:
+    """The symbolic sizes of the graph's inputs (Dynamo's dynamic dimensions) that the shape
+    environment has pinned to one value. (Sizes read from data, `.item()`'s, may be pinned by
+    what the graph itself asserts of them: not ours to check.)"""
+    inputs = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    mode = detect_fake_mode(inputs)
+    if mode is None or mode.shape_env is None:
+        return {}
+    sizes = [v for x in inputs for v in ([x] if isinstance(x, torch.SymInt) else
+                                         getattr(x, "shape", []) if isinstance(x, torch.Tensor) else [])]
+    symbols = set().union(*[s.node.expr.free_symbols for s in sizes if isinstance(s, torch.SymInt)])
+    return {s: r for s, r in mode.shape_env.replacements.items() if s in symbols and r.is_number}
+
+
+def _check_no_specialization(gm: fx.GraphModule, before: dict[Any, Any]) -> None:
+    """A pass decides only what holds for every size (graph.known), so the compiled graph serves
+    every size Dynamo allows. (Running ops on fake values may record guards torch's meta
+    functions need, like `Ne(s0, 0)`; those hold for every size, and are fine.)"""
+    pinned = {s: r for s, r in _fixed_sizes(gm).items() if s not in before}
+    if pinned:
+        raise RuntimeError(f"it pinned symbolic sizes to one value ({', '.join(f'{s} = {r}' for s, r in pinned.items())})")
+
+
 def _check_invariants(before: fx.GraphModule, after: fx.GraphModule) -> None:
     (outs_before, writes_before), (outs_after, writes_after) = _signature(before), _signature(after)
-    if outs_before != outs_after:
+    if not _same_outputs(outs_before, outs_after):
         raise RuntimeError(f"outputs changed: {outs_before} -> {outs_after}")
     if writes_before != writes_after:
         raise RuntimeError("the sequence of in-place writes changed")

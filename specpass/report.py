@@ -60,7 +60,8 @@ class Report:
         head = f"specpass: {len(self.rewrites)} rewrite(s), {len(self.refusals)} left alone"
         if self.matmul_flops is not None:
             before, after = self.matmul_flops
-            ratio = f", {before / after:.2f}x fewer" if after and after != before else ""
+            ratio = f", {before / after:.2f}x fewer" if _number(before) and _number(after) and after != before \
+                and after else ""
             head += f"; graph matmul FLOPs {_si(before)} -> {_si(after)}{ratio}"
         lines = [head]
         lines += [f"  error: {e}" for e in self.errors]
@@ -69,7 +70,14 @@ class Report:
         return "\n".join(lines)
 
 
+def _number(n: object) -> bool:
+    return isinstance(n, (int, float))
+
+
 def _si(n: int) -> str:
+    """1.23K, 4.5G; a symbolic count (dynamic shapes) as its expression, `8192*s0`."""
+    if not _number(n):
+        return str(n)
     if n < 1000:
         return str(n)
     exp = min(int(math.log10(n) // 3), 4)

@@ -171,12 +171,6 @@ def test_inductor_failure_on_rewritten_graph_falls_back(monkeypatch):
     assert len(compiled) == 2 and any(n.target is aten.silu.default for n in compiled[1].graph.nodes)
 
 
-def test_dynamic_shapes_fall_back_to_plain_compile():
-    model, tokens, positions = _toy()
-    with pytest.warns(specpass.SpecpassWarning, match="dynamic shapes"):
-        _run(model, specpass.backend(handoff="eager"), tokens, positions, dynamic=True)
-
-
 def test_report_is_logged(monkeypatch, caplog):
     monkeypatch.setattr(pipeline, "PASSES", [("live_rows", silu_to_sigmoid)])
     model, tokens, positions = _toy()

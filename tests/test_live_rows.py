@@ -8,7 +8,7 @@ from torch import library
 
 import specpass
 from models.toy import ToyDraft
-from specpass.testing import graph_str
+from specpass.testing import full_row_matmuls, graph_str
 
 B, T, H, V, S = 3, 4, 8, 16, 6
 
@@ -739,3 +739,54 @@ def test_two_spellings_of_the_last_row_move_as_one():
     assert finding.fired and set(finding.nodes) == {"select", "index"}, str(result.report)
     gathers = [n.target for n in result.graph_module.graph.nodes if n.name.endswith("_rows")]
     assert gathers and all(t is torch.ops.aten.slice.Tensor for t in gathers), gathers
+
+
+def _exact_and_ideal(step, *args):
+    """Rewritten with no error, no matmul left on every row (T or B * T of them), equal to eager."""
+    result = specpass.rewrite(specpass.capture(step, *args))
+    assert not result.report.errors and result.report.rewrites, str(result.report)
+    assert full_row_matmuls(result.graph_module, {T, B * T}) == [], str(result.report)
+    want = step(*args)
+    got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_range_of_a_range_at_a_positive_start():
+    """GPT-Neo's mask `bias[:, :, S - T : S]` then the last row: rows 3:4 of rows 12:16 are row 15.
+    The composed range is gathered from the buffer; the slice is not applied a second time."""
+    bias = torch.tril(torch.ones(2 * S, 2 * S, dtype=torch.bool))
+    proj, head = torch.randn(2 * S, H), torch.randn(V, 2 * S)
+
+    def step(x):
+        scores = F.linear(x, proj).masked_fill(~bias[S - T: S], -1e9).softmax(-1)  # [B, T, 2S]
+        return F.linear(scores, head)[:, -1]
+
+    _exact_and_ideal(step, torch.randn(B, T, H))
+
+
+def test_view_as_reads_the_other_tensor_for_its_shape_only():
+    """Beam's gate: `gate_proj(x).view_as(attn_out)` reshapes its first operand; attn_out is not
+    needed on every row because of it."""
+    wv, wg, wo = (torch.randn(H, H) for _ in range(3))
+
+    def step(x):
+        out = F.linear(x, wv).view(*x.shape[:2], 2, H // 2)
+        gate = F.linear(x, wg).view_as(out)
+        return F.linear((out * gate.sigmoid()).flatten(2), wo)[:, -1]
+
+    _exact_and_ideal(step, torch.randn(B, T, H))
+
+
+def test_a_count_read_as_a_number_is_not_a_row_gather():
+    """`counts[e].item()` (a split size in a sort-based MoE) selects an expert, not token rows: no
+    candidate, no finding; the real gather keeps its one finding."""
+    w, head = torch.randn(4, H), torch.randn(V, H)
+
+    def step(x):
+        counts = F.one_hot(F.linear(x, w).argmax(-1), 4).sum((0, 1))  # [4]: tokens per expert
+        first = counts[0].item()
+        return F.linear(x, head)[:, -1] + first
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        result = specpass.rewrite(specpass.capture(step, torch.randn(B, T, H)))
+    assert [f.nodes for f in result.report.of("live_rows")] == [["select_1"]], str(result.report)

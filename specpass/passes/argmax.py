@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from specpass.graph import bind, emit, is_written_in_place, op_name, val
+from specpass.graph import bind, emit, is_symbolic, is_written_in_place, known, op_name, same_shape, val
 from specpass.options import Options
 from specpass.passes.row_rules import SAME_VALUES
 from specpass.report import Finding
@@ -140,7 +140,7 @@ def _consumers(sm: fx.Node) -> list[tuple[fx.Node, list[torch.dtype], list[fx.No
                 continue
             if user.target in SAME_VALUES:
                 a, b = val(node), val(user)
-                if (isinstance(b, torch.Tensor) and b.is_floating_point() and b.shape == a.shape
+                if (isinstance(b, torch.Tensor) and b.is_floating_point() and same_shape(b.shape, a.shape)
                         and b.device == a.device):
                     stack.append((user, casts + [b.dtype], path + [user]))
             elif user.target in _MAX_LIKE or user.target in _SMALLEST or user.target is aten.topk.default:
@@ -180,6 +180,8 @@ class _Softmax:
     def plan(self, values: bool) -> None:
         """Split the softmax axis into chunks when the rows alone are too few (see CHUNK_ROWS)."""
         self.with_values = values
+        if any(map(is_symbolic, self.shape)):
+            return  # the choice depends on the rows: one plan for every size is the unchunked one
         vocab = self.shape[self.dim]
         rows = math.prod(self.shape) // max(vocab, 1)
         if self.dim != self.ndim - 1 or rows == 0:
@@ -327,7 +329,7 @@ class _Softmax:
                         values = emit(self.graph, aten.to.dtype, (values, dtype))
                 what.append("values = " + ("top - max - log(sum(exp(s - max)))" if self.is_log
                                            else "exp(top - max) / sum(exp(s - max))"))
-            assert tuple(val(values).shape) == tuple(val(values_out[0]).shape), (values, values_out)
+            assert same_shape(val(values).shape, val(values_out[0]).shape), (values, values_out)
             for node in values_out:
                 node.replace_all_uses_with(values)
         kind = "log_softmax" if self.is_log else "softmax"
@@ -351,7 +353,7 @@ class _Softmax:
             dims = [args["dim"] % self.ndim]
         if self.dim not in dims:
             raise _Refuse(f"axes differ: softmax over dim {self.dim}, {op} over dim(s) {dims}")
-        wider = [d for d in dims if d != self.dim and self.shape[d] != 1]
+        wider = [d for d in dims if d != self.dim and not known(self.shape[d] == 1)]
         if wider:
             raise _Refuse(f"{op} also reduces over dim(s) {wider}, not only the softmax's dim {self.dim}")
         if k > 1 and dims != [self.dim]:

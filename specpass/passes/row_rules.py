@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from specpass.graph import bind, fake_mode, is_mutation, op_name, val
+from specpass.graph import bind, fake_mode, is_mutation, known, op_name, same_shape, size_key, to_the_end, val
 from specpass.options import Options
 
 if TYPE_CHECKING:  # selections are duck-typed here: axes, row_axes, remap, flattens
@@ -69,10 +69,19 @@ class Keep:
     """The operand is used as is (a weight, K/V, or broadcast along the selected axes)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Gather:
     spec: Rows
     expand_to: tuple[int, ...] | None = None  # expand along broadcast selected axes first
+
+    def _key(self) -> tuple:
+        return self.spec, size_key(self.expand_to)
+
+    def __eq__(self, other: object) -> bool:  # symbolic sizes compare as expressions: no guard
+        return isinstance(other, Gather) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 RuleFn = Callable[[fx.Node, "Rows", Options], Rule]
@@ -97,10 +106,12 @@ SAME_VALUES = {
     aten.type_as.default, aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default,
     aten.lift_fresh_copy.default,
 }
+# A view of the first operand with a new shape (view_as / reshape_as: another tensor's, read for
+# its shape only).
 RESHAPES = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.default,
     aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default, aten.flatten.using_ints,
-    aten.unflatten.int,
+    aten.unflatten.int, aten.view_as.default, aten.reshape_as.default,
 }
 VIEWS = RESHAPES | {aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default,
                     aten.select.int, aten.slice.Tensor, aten.alias.default, aten.detach.default}
@@ -193,9 +204,9 @@ def _operand_action(op: Operand, spec: Rows, out: list[int]) -> tuple[Keep | Gat
         if j is None:
             return ABSENT
         size = 1 if j < offset else own_shape[j - offset]
-        if j >= offset and size == out[a]:
+        if j >= offset and known(size == out[a]):
             return CARRIED
-        if size == 1:
+        if known(size == 1):
             return BCAST
         raise Stop(f"{op.node.name} has {size} rows on an axis of {out[a]}")
 
@@ -372,8 +383,21 @@ _ALONG_DIM = {  # op -> its dims argument: ops along an axis that keep every axi
 
 @rule(*_ALONG_DIM)
 def _along_dim(node: fx.Node, spec: Rows, options: Options) -> Rule:
+    if _whole_axis(node):  # x[:, 0:] — in dynamic graphs `pos[:, None]` keeps such a slice
+        return Rule([same_axes(node.args[0], rank(node))])
     inputs = node.args[0] if node.target is aten.cat.default else [node.args[0]]
     return _along(node, spec, list(inputs), bind(node)[_ALONG_DIM[node.target]], keepdim=True)
+
+
+def _whole_axis(node: fx.Node) -> bool:
+    """A slice that keeps every row of its axis, in order: the identity."""
+    if node.target is not aten.slice.Tensor:
+        return False
+    args = bind(node)
+    size = shape_of(node.args[0])[args["dim"] % rank(node)]
+    end = args["end"]
+    return args["start"] in (None, 0) and args["step"] == 1 and not isinstance(end, fx.Node) and (
+        to_the_end(end) or known(end >= size))
 
 
 @rule(aten.expand.default)
@@ -484,7 +508,7 @@ def _gather(node: fx.Node, spec: Rows, options: Options) -> Rule:
     if dim in spec.axes:
         raise Stop(f"gather along the selected axis {dim}")
     x, index = node.args[0], node.args[2]
-    x_axes = [a if a == dim or shape_of(x)[a] == out[a] else None for a in range(r)]
+    x_axes = [a if a == dim or known(shape_of(x)[a] == out[a]) else None for a in range(r)]
     return Rule([Operand(x, x_axes, r), same_axes(index, r)])
 
 
@@ -607,7 +631,7 @@ def _declared_rule(rows: tuple[str, ...], full: tuple[str, ...], row_dims: int, 
         if query and not options.q_slice:
             raise Stop(f"q_slice=False keeps {name} on every query row")
         out = out_shape_of(node)
-        if any(v.dim() < row_dims or list(v.shape[:row_dims]) != out[:row_dims]
+        if any(v.dim() < row_dims or not same_shape(list(v.shape[:row_dims]), out[:row_dims])
                for v in tree_leaves(val(node)) if isinstance(v, torch.Tensor)):
             raise Stop(f"{name}'s outputs do not share their first {row_dims} axes")
         args = bind(node)

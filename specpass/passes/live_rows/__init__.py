@@ -29,13 +29,13 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from specpass.graph import val
+from specpass.graph import SCALAR_READS, val
 from specpass.options import Options
 from specpass.passes.live_rows.emission import emit_live_rows
 from specpass.passes.live_rows.gathers import Candidate, read_gather
 from specpass.passes.live_rows.liveness import FULL, Liveness, analyse
 from specpass.passes.live_rows.program import Program
-from specpass.passes.live_rows.rows import kept
+from specpass.passes.live_rows.rows import keeps_less
 from specpass.passes.live_rows.split import Split, split_fused
 from specpass.passes.row_rules import VIEWS, Gather, Stop, out_shape_of, shape_of
 from specpass.report import Finding, node_matmul_flops
@@ -55,7 +55,7 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
         except Stop as stop:
             findings.append(Finding(NAME, node.name, False, str(stop)))
             continue
-        if candidate is not None and _selects_rows(candidate):
+        if candidate is not None and _selects_rows(node, candidate):
             candidates[node] = candidate
     prog.refresh()
     live = analyse(prog, candidates, options)
@@ -83,18 +83,21 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
     return findings
 
 
-def _selects_rows(candidate: Candidate) -> bool:
+def _selects_rows(gather: fx.Node, candidate: Candidate) -> bool:
     """A row gather worth a verdict: it keeps fewer elements (a permutation saves nothing), on
     some axis other than the feature axis — the last axis of a rank >= 3 tensor ([B, T, H],
     [B, T, heads, d]: RoPE's halves, a vocabulary slice; in [B, T] the last axis may be the
     tokens) — of a value computed in the graph (a weight or a view of one, like one expert of a
-    stacked MoE weight, has nothing above it to move past)."""
+    stacked MoE weight, has nothing above it to move past), and read as a tensor (one read into a
+    Python number, `counts[e].item()` for a split size, is control data, no row)."""
+    if all(user.target in SCALAR_READS for user in gather.users):
+        return False
     source = shape_of(candidate.source)
     feature = len(source) - 1 if len(source) >= 3 else None
     root = candidate.source
     while root.op == "call_function" and root.target in VIEWS:
         root = root.args[0]
-    return kept(candidate.spec, source) < 1 and any(a != feature for a in candidate.spec.axes) \
+    return keeps_less((candidate.spec, source)) and any(a != feature for a in candidate.spec.axes) \
         and root.op == "call_function"
 
 

@@ -12,9 +12,9 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from specpass.graph import bind, emit, set_val, val
+from specpass.graph import bind, emit, same_shape, set_val, size_args, val
 from specpass.passes.live_rows.gathers import Candidate
-from specpass.passes.live_rows.liveness import FULL, Liveness
+from specpass.passes.live_rows.liveness import FULL, Liveness, compose
 from specpass.passes.live_rows.program import Program
 from specpass.passes.live_rows.rows import Rows
 from specpass.passes.row_rules import RESHAPES, Keep, out_shape_of, shape_of
@@ -42,10 +42,11 @@ def emit_live_rows(prog: Program, live: Liveness, candidates: dict[fx.Node, Cand
                 _rewrite(prog, node, live.need[node], operands)
         candidate = candidates.get(node)
         if candidate is not None and live.fired(candidate) and live.need.get(node) == FULL:
-            if shape_of(candidate.source) == shape_of(node):
+            if same_shape(shape_of(candidate.source), shape_of(node)):
                 node.replace_all_uses_with(candidate.source)
             else:
-                node.target, node.args, node.kwargs = aten.reshape.default, (candidate.source, shape_of(node)), {}
+                node.target, node.kwargs = aten.reshape.default, {}
+                node.args = size_args(prog.graph, (candidate.source, shape_of(node)))
                 set_val(node)
 
 
@@ -53,8 +54,9 @@ def _rewrite(prog: Program, node: fx.Node, spec: Rows, operands: dict[fx.Node, f
     """Turn `node` in place into its gathered version (every user of it reads gathered rows)."""
     want = [spec.gathered_shape(list(v.shape)) for v in tree_leaves(val(node)) if isinstance(v, torch.Tensor)]
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: operands.get(a, a))
-    if node.target in RESHAPES or node.target is aten.expand.default:
-        node.target = aten.reshape.default if node.target in RESHAPES else aten.expand.default
+    if node.target in RESHAPES or node.target is aten.expand.default or compose(node, spec) is not None:
+        # a view: its operand is already gathered (a composed range: by the range of the range)
+        node.target = aten.expand.default if node.target is aten.expand.default else aten.reshape.default
         args, kwargs = (args[0], want[0]), {}
     elif node.target is aten.scaled_dot_product_attention.default and bind(node)["is_causal"] \
             and len(shape_of(node.args[0])) - 2 in spec.axes:
@@ -65,8 +67,8 @@ def _rewrite(prog: Program, node: fx.Node, spec: Rows, operands: dict[fx.Node, f
         keys = prog.arange(0, val(node.args[1]).shape[-2], 1, val(node.args[1]).device)
         kwargs.update(attn_mask=spec.causal_mask(prog, out_shape_of(node), keys), is_causal=False)
         args = args[:3]
-    node.args, node.kwargs = args, kwargs
+    node.args, node.kwargs = size_args(prog.graph, (args, kwargs))
     set_val(node)
     got = [list(v.shape) for v in tree_leaves(val(node)) if isinstance(v, torch.Tensor)]
-    if want != got:
+    if len(want) != len(got) or not all(map(same_shape, want, got)):
         raise RuntimeError(f"gathered {node.name} has shapes {got}, expected {want}")

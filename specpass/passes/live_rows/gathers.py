@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
-from specpass.graph import bind, val
+from specpass.graph import bind, is_symbolic, known, same_shape, static_int, to_the_end, val
 from specpass.passes.live_rows.program import Program
 from specpass.passes.live_rows.reshape import canonical
 from specpass.passes.live_rows.rows import Flat, PerBatch, Rows, Static
@@ -37,7 +37,7 @@ def read_gather(prog: Program, node: fx.Node) -> Candidate | None:
     shape = shape_of(x)
     static = as_static(node)
     if static is not None:
-        return Candidate(x, static) if static.rows < shape[static.axis] else None
+        return Candidate(x, static) if known(static.rows < shape[static.axis]) else None
     if target is aten.index_select.default:
         ids = _index_leaf(prog, node, node.args[2])
         return Candidate(x, Flat((node.args[1] % len(shape),), prog.index_op(aten.reshape.default, ids, [-1])))
@@ -55,13 +55,27 @@ def as_static(node: fx.Node) -> Static | None:
         return None  # bounds known only at run time (a slice by `.item()`): not a static range
     dim = args["dim"] % len(shape)
     if node.target is aten.select.int:
-        i = args["index"] % shape[dim]
+        i = _position(args["index"], shape[dim])
         return Static(dim, i, i + 1)
     if node.target is aten.narrow.default:
-        start = args["start"] % shape[dim]
+        start = _position(args["start"], shape[dim])
         return Static(dim, start, start + args["length"])
-    r = range(shape[dim])[args["start"]: args["end"]: args["step"]]
-    return Static(dim, r.start, r.stop, r.step)
+    size, start, end = shape[dim], args["start"], args["end"]
+    if not is_symbolic(size):
+        r = range(size)[start: end: args["step"]]
+        return Static(dim, r.start, r.stop, r.step)
+    # A symbolic axis: the bounds a dynamic graph spells, from the start (0, k) or from the end
+    # (-k, None); a bound that may fall outside the axis is not a static range.
+    start = _position(start or 0, size)
+    end = size if to_the_end(end) else _position(end, size)
+    if not (known(0 <= start) and known(start <= end) and known(end <= size)):
+        return None
+    return Static(dim, start, end, args["step"])
+
+
+def _position(index: int, size: int) -> int:
+    """A Python index (negative: from the end) as a position along an axis of `size`."""
+    return static_int(index + size) if index < 0 else index
 
 
 def _index_leaf(prog: Program, gather: fx.Node, index: fx.Node) -> fx.Node:
@@ -80,9 +94,10 @@ def _is_arange(node: object, size: int) -> bool:
     if not isinstance(node, fx.Node) or node.target not in (aten.arange.default, aten.arange.start,
                                                             aten.arange.start_step):
         return False
-    bounds = [a for a in node.args if not isinstance(a, torch.dtype)]
+    bounds = [val(a) for a in node.args if not isinstance(a, torch.dtype)]
     start, end, step = (0, bounds[0], 1) if len(bounds) == 1 else (bounds + [1])[:3]
-    return (start, end, step) == (0, size, 1) and val(node).dtype in (torch.int64, torch.int32)
+    return known(start == 0) and known(end == size) and known(step == 1) and \
+        val(node).dtype in (torch.int64, torch.int32)
 
 
 def _advanced_index(prog: Program, node: fx.Node, shape: list[int]) -> Rows | None:
@@ -96,9 +111,10 @@ def _advanced_index(prog: Program, node: fx.Node, shape: list[int]) -> Rows | No
     leaves = [_index_leaf(prog, node, indices[i]) for i in used]
     bshape = list(torch.broadcast_shapes(*[val(t).shape for t in leaves]))
     B = shape[p]
-    if len(used) == 2 and _is_arange(leaves[0], B) and shape_of(leaves[0]) == ([B] if len(bshape) == 1 else [B, 1]):
+    if len(used) == 2 and _is_arange(leaves[0], B) and same_shape(shape_of(leaves[0]), [B] if len(bshape) == 1 else [B, 1]):
         # x[arange(B), idx] / x[arange(B)[:, None], idx]: rows idx[b] of request b
-        index = leaves[1] if shape_of(leaves[1]) == bshape else prog.index_op(aten.expand.default, leaves[1], bshape)
+        index = leaves[1] if same_shape(shape_of(leaves[1]), bshape) else \
+            prog.index_op(aten.expand.default, leaves[1], bshape)
         if len(bshape) == 1:
             index = prog.index_op(aten.unsqueeze.default, index, 1)
         return PerBatch(p, p + 1, index)
@@ -115,16 +131,16 @@ def _gather(prog: Program, node: fx.Node, shape: list[int]) -> Rows | None:
     """torch.gather(x, d, idx) is a row gather when idx only varies along axes 0 and d."""
     dim, index = node.args[1] % len(shape), node.args[2]
     if index.target is not aten.expand.default or \
-            shape_of(index)[:dim] + shape_of(index)[dim + 1:] != shape[:dim] + shape[dim + 1:]:
+            not same_shape(shape_of(index)[:dim] + shape_of(index)[dim + 1:], shape[:dim] + shape[dim + 1:]):
         return None
     base = index.args[0]
     base_shape = [1] * (len(shape) - len(shape_of(base))) + shape_of(base)
-    if any(s != 1 for a, s in enumerate(base_shape) if a not in (0, dim)):
+    if not all(known(s == 1) for a, s in enumerate(base_shape) if a not in (0, dim)):
         return None
     base = _index_leaf(prog, node, base)
     k = base_shape[dim]
-    if dim == 0 or base_shape[0] == 1:
+    if dim == 0 or known(base_shape[0] == 1):
         return Flat((dim,), prog.index_op(aten.reshape.default, base, [-1]))
-    if base_shape[0] != shape[0]:
+    if not known(base_shape[0] == shape[0]):
         return None
     return PerBatch(0, dim, prog.index_op(aten.reshape.default, base, [shape[0], k]))

@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
 
-from specpass.graph import is_mutation, op_name, val
+from specpass.graph import is_mutation, is_symbolic, op_name, val
 from specpass.options import Options
 from specpass.passes.live_rows.gathers import Candidate, as_static
 from specpass.passes.live_rows.program import Program
 from specpass.passes.live_rows.reshape import through_reshape
-from specpass.passes.live_rows.rows import Rows, Static, kept
+from specpass.passes.live_rows.rows import Rows, Static, keeps_less
 from specpass.passes.row_rules import RESHAPES, VIEWS, Gather, Keep, Stop, out_shape_of, plan_operands, shape_of
 
 aten = torch.ops.aten
@@ -90,8 +89,8 @@ def analyse(prog: Program, candidates: dict[fx.Node, Candidate], options: Option
             stay_full(node, next((r for s, r in wanted if s == FULL), "its users need different rows"))
             continue
         spec = specs.pop()
-        if node in candidates and _compose(node, spec) is None and \
-                kept(candidates[node].spec, shape_of(candidates[node].source)) < kept(spec, out_shape_of(node)):
+        if node in candidates and compose(node, spec) is None and \
+                keeps_less((candidates[node].spec, shape_of(candidates[node].source)), (spec, out_shape_of(node))):
             # A gather of a gather on another axis, one selection per tensor: the one that keeps
             # fewer elements moves (logits[:, -1][:, :V] moves the -1), the other stays after it.
             stay_full(node, "a row gather that keeps fewer rows than its users' selection")
@@ -113,9 +112,6 @@ def analyse(prog: Program, candidates: dict[fx.Node, Candidate], options: Option
 def _pull(prog: Program, node: fx.Node, spec: Rows, options: Options, candidates: dict[fx.Node, Candidate]
           ) -> dict[fx.Node, Keep | Gather]:
     """Operand plans for running `node` on `spec`'s rows only, or Stop(reason)."""
-    if any(isinstance(s, torch.SymInt) for s in tree_leaves([list(v.shape) for v in tree_leaves(val(node))
-                                                             if isinstance(v, torch.Tensor)])):
-        raise Stop("dynamic shape")
     late = [i for i in spec.index_nodes() if prog.pos[i] >= prog.pos[node]]
     if late:
         raise Stop(f"the row index {late[0].name} is only known after {node.name}")
@@ -130,18 +126,19 @@ def _pull(prog: Program, node: fx.Node, spec: Rows, options: Options, candidates
         x = node.args[0]
         inner = through_reshape(prog, spec, shape_of(x), out_shape_of(node), val(x).device)
         return {x: Keep() if inner is None else Gather(inner)}
-    composed = _compose(node, spec)
+    composed = compose(node, spec)
     if composed is not None:
         return {node.args[0]: Gather(composed)}
     return plan_operands(node, spec, options)
 
 
-def _compose(node: fx.Node, spec: Rows) -> Static | None:
+def compose(node: fx.Node, spec: Rows) -> Static | None:
     """A range of a range of the same axis (`x[:, -4:][:, -1]`) is one range of x."""
     if node.target is aten.select.int:  # it drops its axis: the selection is on another one
         return None
     candidate = as_static(node)
-    if candidate is None or not isinstance(spec, Static) or candidate.axis != spec.axis:
+    if candidate is None or not isinstance(spec, Static) or candidate.axis != spec.axis \
+            or any(map(is_symbolic, (candidate.start, candidate.stop, spec.start, spec.stop))):
         return None
     outer = range(candidate.start, candidate.stop, candidate.step)[spec.start: spec.stop: spec.step]
     return Static(spec.axis, outer.start, outer.stop, outer.step)

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from specpass.graph import emit, is_impure, is_mutation, storage, val, written_storages
+from specpass.graph import emit, is_impure, is_mutation, size_args, storage, val, written_storages
 
 aten = torch.ops.aten
 
@@ -28,7 +28,7 @@ class Program:
         self.refresh()
 
     def refresh(self) -> None:
-        self.pos = {n: i for i, n in enumerate(self.graph.nodes)}
+        self.pos = _Positions(self.graph)
         self.writes = [(self.pos[n], written_storages(n), n) for n in self.graph.nodes if is_mutation(n)]
 
     def written_between(self, node: fx.Node, start: fx.Node | int, end: fx.Node | int) -> fx.Node | None:
@@ -49,6 +49,7 @@ class Program:
 
     def index_op(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         """An index computation, placed right after its latest input (memoized: equal inputs, one node)."""
+        args, kwargs = size_args(self.graph, (args, kwargs))  # symbolic sizes as nodes: hashable, and in the graph
         key = (target, _hashable(args), _hashable(kwargs))
         if key in self._memo:
             return self._memo[key]
@@ -96,6 +97,19 @@ class Program:
         """The earliest node a computation of `inputs` can follow (placeholders stay first)."""
         last_input = list(self.graph.find_nodes(op="placeholder"))[-1]
         return max([last_input, *inputs], key=self.pos.__getitem__)
+
+
+class _Positions(dict):
+    """Program positions; a node inserted since (a symbolic size's node) renumbers them."""
+
+    def __init__(self, graph: fx.Graph):
+        super().__init__((n, i) for i, n in enumerate(graph.nodes))
+        self.graph = graph
+
+    def __missing__(self, node: fx.Node) -> int:
+        self.clear()
+        self.update((n, i) for i, n in enumerate(self.graph.nodes))
+        return self[node]
 
 
 def constant(node: fx.Node, budget: int = 64) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ import dataclasses
 import torch
 import torch.fx as fx
 
+from specpass.graph import is_symbolic, known, same_shape
 from specpass.passes.live_rows.program import Program, constant
 from specpass.passes.live_rows.rows import Flat, PerBatch, Rows, Static
 from specpass.passes.row_rules import Stop
@@ -32,15 +33,15 @@ def through_reshape(prog: Program, spec: Rows, in_shape: list[int], out_shape: l
         return None
     groups = _reshape_groups(in_shape, out_shape)
     touched = [(ins, outs) for ins, outs in groups if set(outs) & set(spec.axes)]
-    outs_big = [a for _, outs in touched for a in outs if out_shape[a] != 1]
-    ins_big = [a for ins, _ in touched for a in ins if in_shape[a] != 1]
+    outs_big = [a for _, outs in touched for a in outs if not known(out_shape[a] == 1)]
+    ins_big = [a for ins, _ in touched for a in ins if not known(in_shape[a] == 1)]
     if isinstance(spec, Static) and outs_big == [spec.axis] and len(ins_big) == 1:
         return dataclasses.replace(spec, axis=ins_big[0])
     if isinstance(spec, PerBatch) and len(touched) == 2 and outs_big == [spec.batch, spec.axis]:
         if len(ins_big) == 2:
             return dataclasses.replace(spec, batch=ins_big[0], axis=ins_big[1])
         coarser, sizes = prog.spread.get(spec.index, (None, None))
-        if coarser is not None and [in_shape[a] for a in ins_big[2:]] == sizes:
+        if coarser is not None and same_shape([in_shape[a] for a in ins_big[2:]], sizes):
             # The reshape splits the row axis back into (rows, every row of the rest), e.g.
             # attention's query rows T * heads -> [T, heads]: select the coarser rows.
             return PerBatch(ins_big[0], ins_big[1], coarser)
@@ -60,7 +61,7 @@ def canonical(spec: Rows, shape: list[int]) -> Rows:
     if not isinstance(spec, PerBatch):
         return spec
     rows = constant(spec.index)
-    if rows is None or rows.numel() == 0:
+    if rows is None or rows.numel() == 0 or is_symbolic(shape[spec.axis]):
         return spec
     rows = rows % shape[spec.axis]
     first = rows[0].tolist()
@@ -77,18 +78,18 @@ def _reshape_groups(in_shape: list[int], out_shape: list[int]) -> list[tuple[lis
     while i < len(in_shape) or j < len(out_shape):
         gi, go, pi, po = [], [], 1, 1
         while True:
-            if i < len(in_shape) and (not gi or pi < po):
+            if i < len(in_shape) and (not gi or known(pi < po)):
                 gi.append(i)
                 pi *= in_shape[i]
                 i += 1
-            elif j < len(out_shape) and (not go or po < pi):
+            elif j < len(out_shape) and (not go or known(po < pi)):
                 go.append(j)
                 po *= out_shape[j]
                 j += 1
-            elif pi == po:
+            elif known(pi == po):
                 break
             else:
-                raise Stop("reshape with a zero-size axis")
+                raise Stop("a reshape whose axes do not provably group (a zero-size axis, or symbolic sizes)")
         groups.append((gi, go))
     return groups
 
@@ -97,11 +98,11 @@ def _split_per_batch(prog: Program, ids: fx.Node, B: int, T: int) -> fx.Node | N
     """Flat ids over [B * T] that provably pick k rows of every request in order — built from a
     per-request index, or computed from constants only (arange(B) * T + T - 1) — as a [B, k]
     per-request index; else None."""
-    known = prog.per_request.get(ids)
-    if known is not None and known[1:] == (B, T):
-        return known[0]
+    built = prog.per_request.get(ids)
+    if built is not None and same_shape(built[1:], (B, T)):
+        return built[0]
     value = constant(ids)
-    if value is None or value.numel() % B:
+    if value is None or is_symbolic(B) or is_symbolic(T) or value.numel() % B:
         return None
     rows = value.reshape(B, -1)
     if not torch.equal(rows // T, torch.arange(B).unsqueeze(1).expand_as(rows)):

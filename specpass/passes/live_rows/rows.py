@@ -16,21 +16,32 @@ from typing import Union
 import torch
 import torch.fx as fx
 
-from specpass.graph import emit, val
+from specpass.graph import emit, hint, is_symbolic, known, size_key, static_int, val
 from specpass.passes.live_rows.program import Program, constant
 from specpass.passes.row_rules import Stop
 
 aten = torch.ops.aten
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Static:
-    """Rows start:stop:step of one axis (a select is a length-1 range)."""
+    """Rows start:stop:step of one axis (a select is a length-1 range). The bounds may be symbolic
+    (`x[:, -1]` on a dynamic T is T-1:T); two selections are equal when their bounds are the same
+    expressions."""
 
     axis: int
     start: int
     stop: int
     step: int = 1
+
+    def _key(self) -> tuple:
+        return size_key((self.axis, self.start, self.stop, self.step))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Static) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     @property
     def axes(self) -> tuple[int, ...]:
@@ -40,7 +51,9 @@ class Static:
 
     @property
     def rows(self) -> int:
-        return len(range(self.start, self.stop, self.step))
+        if not any(map(is_symbolic, (self.start, self.stop))):
+            return len(range(self.start, self.stop, self.step))
+        return static_int((self.stop - self.start + self.step - 1) // self.step)  # a range within the axis
 
     def index_nodes(self) -> list[fx.Node]:
         return []
@@ -56,7 +69,7 @@ class Static:
         return False
 
     def normalize(self, prog: Program, shape: list[int]) -> Static | None:
-        return None if shape[self.axis] == 1 and self.rows == 1 else self
+        return None if known(shape[self.axis] == 1) and known(self.rows == 1) else self
 
     def as_flat(self, prog: Program, axes: list[int], shape: list[int], device: torch.device) -> Flat:
         return _grid_flat(self, prog, axes, shape, device)
@@ -107,9 +120,9 @@ class PerBatch:
         return False
 
     def normalize(self, prog: Program, shape: list[int]) -> Rows | None:
-        if shape[self.axis] == 1 and self.rows == 1:
+        if known(shape[self.axis] == 1) and known(self.rows == 1):
             return None
-        if shape[self.batch] == 1:
+        if known(shape[self.batch] == 1):
             return Flat((self.axis,), prog.index_op(aten.reshape.default, self.index, [-1]))
         return self
 
@@ -185,11 +198,11 @@ class Flat:
         return bool(set(axes) & set(self.axes))
 
     def normalize(self, prog: Program, shape: list[int]) -> Flat | None:
-        axes = tuple(a for a in self.axes if shape[a] != 1)
+        axes = tuple(a for a in self.axes if not known(shape[a] == 1))
         if not axes:
-            return None if self.rows == 1 else self
-        ids = constant(self.index)
-        if ids is not None and torch.equal(ids, torch.arange(math.prod(shape[a] for a in axes))):
+            return None if known(self.rows == 1) else self
+        ids, size = constant(self.index), math.prod(shape[a] for a in axes)
+        if ids is not None and not is_symbolic(size) and torch.equal(ids, torch.arange(size)):
             return None  # every row, in order
         return Flat(axes, self.index)
 
@@ -222,9 +235,17 @@ class Flat:
 Rows = Union[Static, PerBatch, Flat]
 
 
-def kept(spec: Rows, shape: list[int]) -> float:
-    """The fraction of a tensor's elements a selection keeps."""
-    return math.prod(spec.gathered_shape(shape)) / math.prod(shape)
+def keeps_less(a: tuple[Rows, list[int]], b: tuple[Rows, list[int]] | None = None) -> bool:
+    """Does selection a keep a smaller fraction of its tensor than b does of its own (b None: than
+    all of it)? Fractions are compared cross-multiplied; with symbolic sizes whose order is not
+    provable (requests and tokens are two free sizes), at the sizes of the captured call: this only
+    decides what is worth moving, never what is exact."""
+    kept_a, all_a = math.prod(a[0].gathered_shape(a[1])), math.prod(a[1])
+    kept_b, all_b = (1, 1) if b is None else (math.prod(b[0].gathered_shape(b[1])), math.prod(b[1]))
+    less, more = kept_a * all_b, kept_b * all_a
+    if known(less < more) or known(less >= more):
+        return known(less < more)
+    return None not in (hint(less), hint(more)) and hint(less) < hint(more)
 
 
 def _grid_flat(spec: Static | Flat, prog: Program, axes: list[int], shape: list[int], device: torch.device) -> Flat:

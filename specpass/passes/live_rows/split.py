@@ -20,7 +20,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from specpass.graph import bind, emit, set_val, val
+from specpass.graph import bind, emit, is_symbolic, known, set_val, static_int, val
 from specpass.options import Options
 from specpass.passes.live_rows.gathers import Candidate, as_static
 from specpass.passes.live_rows.liveness import FULL, Liveness
@@ -48,8 +48,8 @@ def split_fused(prog: Program, live: Liveness, candidates: dict[fx.Node, Candida
     needs; the graph is edited in place."""
     splits = []
     for node in list(prog.graph.nodes):
-        if live.need.get(node) != FULL or node_matmul_flops(node) == 0 \
-                or math.prod(shape_of(node)[:-1]) < options.split_min_rows:
+        if live.need.get(node) != FULL or not known(node_matmul_flops(node) > 0) \
+                or not known(math.prod(shape_of(node)[:-1]) >= options.split_min_rows):
             continue
         found = _column_readers(node)
         if found is None or any(r in candidates for r, _, _ in found[1]):
@@ -72,16 +72,18 @@ def _column_readers(node: fx.Node) -> tuple[fx.Node, list[tuple[fx.Node, int, in
     base = node
     if len(node.users) == 1:
         (user,) = node.users
-        if user.target in RESHAPES and shape_of(user)[-1] == shape_of(node)[-1]:
+        if user.target in RESHAPES and known(shape_of(user)[-1] == shape_of(node)[-1]):
             base = user
     last = len(shape_of(base)) - 1
     readers = []
     for user in base.users:
         static = as_static(user)
-        if static is not None and static.axis == last and static.step == 1 and user.target is not aten.select.int:
+        if static is not None and static.axis == last and static.step == 1 and user.target is not aten.select.int \
+                and not is_symbolic(static.start) and not is_symbolic(static.stop):
             readers.append((user, static.start, static.stop))
-        elif user.target in _SPLITS and bind(user)["dim"] % (last + 1) == last:
-            ends = list(itertools.accumulate(v.shape[last] for v in val(user)))
+        elif user.target in _SPLITS and bind(user)["dim"] % (last + 1) == last \
+                and not any(is_symbolic(v.shape[last]) for v in val(user)):
+            ends = list(itertools.accumulate(static_int(v.shape[last]) for v in val(user)))
             for element in user.users:
                 if element.target is not operator.getitem:
                     return None
