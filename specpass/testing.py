@@ -84,20 +84,32 @@ _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.
 
 def full_row_matmuls(gm: fx.GraphModule, row_sizes: set[int]) -> list[str]:
     """Matmuls of `gm` that still run on every token row (an output axis other than the last has
-    one of `row_sizes`: T, or B * T flattened) and feed no in-place (KV) write: the live-row ideal
-    is that there are none."""
+    one of `row_sizes`: T, or B * T flattened) although no exact rewrite needs them there: the
+    live-row ideal is that there are none. Needed on every row: what feeds an in-place (KV)
+    write, or the keys and values of an attention — SDPA's, or a matmul's second operand, whose
+    rows it contracts (a model that keeps no cache reads its K/V from the new rows themselves)."""
     return [n.name for n in gm.graph.nodes if n.target in _MATMULS and isinstance(n.meta.get("val"), torch.Tensor)
             and any(isinstance(s, int) and s in row_sizes for s in n.meta["val"].shape[:-1])
-            and not _feeds_a_write(n)]
+            and not _needed_on_every_row(n)]
 
 
-def _feeds_a_write(node: fx.Node) -> bool:
+def _needed_on_every_row(node: fx.Node) -> bool:
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
         if is_mutation(n):
             return True
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.users)
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if any(user.args[i] is n for i in _CONTRACTED.get(user.target, ())):
+                return True
+            todo.append(user)
     return False
+
+
+_CONTRACTED = {  # op -> the operands whose every row it reads for each output row
+    torch.ops.aten.scaled_dot_product_attention.default: (1, 2), torch.ops.aten.mm.default: (1,),
+    torch.ops.aten.bmm.default: (1,), torch.ops.aten.matmul.default: (1,), torch.ops.aten.baddbmm.default: (2,),
+}

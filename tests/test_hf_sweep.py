@@ -1,5 +1,6 @@
 """A fast subset of benchmarks/hf_sweep.py: transformers' own decoders, a StaticCache continuation
-step, rewritten exactly and to the ideal (no matmul on every token row unless it feeds a KV write).
+step, rewritten exactly and to the ideal (no matmul on every token row unless it feeds a KV write
+or an attention's keys and values).
 The full sweep over every causal LM in transformers is in docs/results.md."""
 
 import pytest
@@ -9,7 +10,9 @@ from benchmarks.hf_sweep import B, T, _recording_backend, _what_the_passes_did, 
 
 SUBSET = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
           "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM", "olmo2": "Olmo2ForCausalLM",
-          "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM"}
+          "gpt2": "GPT2LMHeadModel", "bloom": "BloomForCausalLM",
+          # a range of a range at a positive start; view_as; no cache (K/V from the new rows)
+          "gpt_neo": "GPTNeoForCausalLM", "beam": "BeamForCausalLM", "openai-gpt": "OpenAIGPTLMHeadModel"}
 
 
 @pytest.mark.parametrize("model_type", SUBSET)

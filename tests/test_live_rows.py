@@ -790,3 +790,28 @@ def test_a_count_read_as_a_number_is_not_a_row_gather():
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         result = specpass.rewrite(specpass.capture(step, torch.randn(B, T, H)))
     assert [f.nodes for f in result.report.of("live_rows")] == [["select_1"]], str(result.report)
+
+
+@pytest.mark.filterwarnings("error::specpass.SpecpassWarning")
+@pytest.mark.parametrize("inner,outer", [
+    (inner, outer)
+    for inner in [(2, 5, 1), (1, 6, 2), (-4, None, 1), (0, -1, 1), (-5, -1, 2), (3, None, 1)]
+    for outer in [-1, 0, slice(-2, None), slice(0, None, 2)]
+    if len(range(S)[slice(*inner)][outer if isinstance(outer, slice) else slice(outer, outer + 1 or None)])
+    < len(range(S)[slice(*inner)])])  # the outer selection keeps fewer rows: a row gather
+def test_range_of_a_range_of_a_cache_just_written(inner, outer):
+    """A slice of a cache read back after the write, then rows of it: the two ranges compose into
+    one, whatever the starts, stops, steps and signs."""
+    w, cache = torch.randn(H, H), torch.zeros(2, S, H)
+
+    def step(x, pos):
+        cache.index_copy_(1, pos, F.linear(x, w))
+        return torch.tanh(cache[:, slice(*inner)])[:, outer]
+
+    x, pos = torch.randn(2, 3, H), torch.tensor([2, 3, 4])
+    want = step(x, pos)
+    cache.zero_()
+    result = specpass.rewrite(specpass.capture(step, x, pos))
+    got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(x, pos)
+    assert not result.report.errors and result.report.rewrites, str(result.report)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
