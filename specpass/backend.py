@@ -53,15 +53,18 @@ def backend(**options: Any) -> Callable[..., Callable]:
 
         try:
             result = run_passes(aten_gm, opts)
+            for compiled in (result.graph_module, aten_gm):
+                adopt_dynamo_inputs(gm, compiled)
         except Exception as exc:  # the pipeline's own checks failed on the unrewritten graph
             _warn(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
                   "compiling it without rewrites")
             return handoff(gm, example_inputs)
         for error in result.report.errors:
             _warn(error)
-        log_report(result.report)
-        for compiled in (result.graph_module, aten_gm):
-            adopt_dynamo_inputs(gm, compiled)
+        try:
+            log_report(result.report)
+        except Exception as exc:  # a report that cannot be printed is a bug, not the model's problem
+            _warn(f"specpass could not log its report ({type(exc).__name__}: {exc}); the graph is compiled as rewritten")
         if not result.report.rewrites:
             return handoff(result.graph_module, example_inputs)
         try:
@@ -94,7 +97,8 @@ def log_report(report: Report) -> None:
         handler._specpass_stderr = True  # type: ignore[attr-defined]
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    log.info("%s", report)
+    if log.isEnabledFor(logging.INFO):
+        log.info(str(report))  # formatted here, where the backend catches a failure, not in a handler
 
 
 def _warn(message: str) -> None:

@@ -21,7 +21,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from specpass.capture import capture
-from specpass.graph import SCALAR_READS, is_impure, is_mutation, same_shape
+from specpass.graph import SCALAR_READS, is_impure, is_mutation, same_shape, storage, written_storages
 from specpass.options import Options
 from specpass.passes import argmax, live_rows
 from specpass.report import Finding, Report, graph_matmul_flops
@@ -123,10 +123,21 @@ class _ConstantsAsFake(FakeTensorProp):
 
 
 def _signature(gm: fx.GraphModule) -> tuple[list[Any], list[Any]]:
-    """(output shapes/dtypes, ordered in-place op targets): what no pass may change."""
+    """(output shapes/dtypes, ordered in-place writes: op and buffers written): what no pass may
+    change."""
     outputs = [_out_sig(a) for a in torch.utils._pytree.tree_leaves(gm.graph.output_node().args[0])]
-    writes = [n.target for n in gm.graph.nodes if is_mutation(n)]
-    return outputs, writes
+    return outputs, _written_buffers(gm)
+
+
+def _written_buffers(gm: fx.GraphModule) -> list[tuple[Any, tuple[str, ...]]]:
+    """Each in-place write in order, with the buffers it writes: named by the first node holding
+    their storage (a graph input's name; a view of it has the same storage)."""
+    owners: dict[Any, str] = {}
+    for node in gm.graph.nodes:
+        if storage(node) is not None:
+            owners.setdefault(storage(node), node.name)
+    return [(n.target, tuple(sorted(owners.get(s, "?") for s in written_storages(n))))
+            for n in gm.graph.nodes if is_mutation(n)]
 
 
 def _out_sig(arg: Any) -> Any:
@@ -173,4 +184,4 @@ def _check_invariants(before: fx.GraphModule, after: fx.GraphModule) -> None:
     if not _same_outputs(outs_before, outs_after):
         raise RuntimeError(f"outputs changed: {outs_before} -> {outs_after}")
     if writes_before != writes_after:
-        raise RuntimeError("the sequence of in-place writes changed")
+        raise RuntimeError(f"the in-place writes changed (op, buffers written): {writes_before} -> {writes_after}")

@@ -37,6 +37,13 @@ def drop_kv_write(gm, options):
     return [Finding("drop", write.name, True, "bad")]
 
 
+def swap_kv_buffers(gm, options):
+    """Breaks the in-place-write invariant subtly: the V write goes to the K cache (same ops)."""
+    k_write, v_write = [n for n in gm.graph.nodes if n.target is aten.index_copy_.default][:2]
+    v_write.args = (k_write.args[0], *v_write.args[1:])
+    return [Finding("swap", v_write.name, True, "bad")]
+
+
 class TestPipeline(expecttest.TestCase):
     def setUp(self):
         self._passes = pipeline.PASSES
@@ -71,7 +78,8 @@ class TestPipeline(expecttest.TestCase):
         self.assertIn("pass live_rows failed (RuntimeError: injected failure)", result.report.errors[0])
 
     def test_invariants_reject_a_pass(self):
-        for bad, message in [(shrink_output, "outputs changed"), (drop_kv_write, "in-place writes changed")]:
+        for bad, message in [(shrink_output, "outputs changed"), (drop_kv_write, "in-place writes changed"),
+                             (swap_kv_buffers, "in-place writes changed")]:
             pipeline.PASSES = [("live_rows", bad)]
             gm = _captured()
             result = specpass.rewrite(gm)

@@ -1,0 +1,155 @@
+"""Fault injection: each pass, a row rule, capture, the pipeline's preparation, the report and the
+handoff to Inductor are made to fail in turn. Each time the user's step still runs and equals
+eager, with exactly one warning that names what failed and why."""
+
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+
+import specpass
+from models.toy import ToyDraft
+from specpass import pipeline, report
+from specpass.graph import emit
+from specpass.passes import row_rules
+from specpass.report import Finding
+
+aten = torch.ops.aten
+backend_module = sys.modules["specpass.backend"]  # `specpass.backend` is the function
+
+
+def _step():
+    """The toy draft with a greedy tail: both passes fire on it."""
+    torch.manual_seed(0)
+    model = ToyDraft().eval()
+
+    def step(tokens, positions):
+        return torch.softmax(model(tokens, positions), -1).max(-1)
+
+    return model, step, torch.randint(0, 64, (2, 4)), torch.arange(4)
+
+
+def _run_with_warnings(backend):
+    """(eager result, compiled result, caches of each, the SpecpassWarnings raised)."""
+    model, step, tokens, positions = _step()
+    with torch.no_grad():
+        want = step(tokens, positions)
+        want_caches = [model.k_cache.clone(), model.v_cache.clone()]
+        model.k_cache.zero_(), model.v_cache.zero_()
+        torch._dynamo.reset()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = torch.compile(step, backend=backend)(tokens, positions)
+    torch.testing.assert_close(tuple(got), tuple(want), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close([model.k_cache, model.v_cache], want_caches, rtol=1e-5, atol=1e-6)
+    return [str(w.message) for w in caught if issubclass(w.category, specpass.SpecpassWarning)]
+
+
+def raising(gm, options):
+    raise RuntimeError("injected failure")
+
+
+def shrinking(run):
+    """The real pass, then an output narrowed: breaks the outputs invariant."""
+    def bad(gm, options):
+        findings = run(gm, options)
+        out = gm.graph.output_node()
+        first = out.args[0][0]
+        with gm.graph.inserting_before(out):
+            narrowed = emit(gm.graph, aten.slice.Tensor, (first, 0, 0, 1))
+        out.args = ((narrowed, *out.args[0][1:]),)
+        return findings
+    return bad
+
+
+def writing_elsewhere(run):
+    """The real pass, then the V write sent to the K cache: breaks the written-buffers invariant."""
+    def bad(gm, options):
+        findings = run(gm, options)
+        k_write, v_write = [n for n in gm.graph.nodes if n.target is aten.index_copy_.default]
+        v_write.args = (k_write.args[0], *v_write.args[1:])
+        return findings
+    return bad
+
+
+def reporting_twice(run):
+    """The real pass, then one more verdict on a node it already reported."""
+    def bad(gm, options):
+        findings = run(gm, options)
+        return findings + [Finding(findings[0].pass_name, findings[0].nodes[0], False, "again")]
+    return bad
+
+
+@pytest.mark.parametrize("name", [name for name, _ in pipeline.PASSES])
+@pytest.mark.parametrize("fault,cause", [
+    (lambda run: raising, "RuntimeError: injected failure"),
+    (shrinking, "outputs changed"),
+    (writing_elsewhere, "the in-place writes changed"),
+    (reporting_twice, "twice"),
+])
+def test_a_failing_pass_is_dropped_and_the_others_still_apply(monkeypatch, name, fault, cause):
+    monkeypatch.setattr(pipeline, "PASSES", [(n, fault(run) if n == name else run) for n, run in pipeline.PASSES])
+    (message,) = _run_with_warnings(specpass.backend(handoff="eager"))
+    assert f"pass {name}" in message and cause in message, message
+    _, step, tokens, positions = _step()
+    result = specpass.rewrite(specpass.capture(step, tokens, positions)).report
+    assert result.errors == [message]
+    assert {f.pass_name for f in result.rewrites} == {n for n, _ in pipeline.PASSES if n != name}
+
+
+def test_a_failing_rule_drops_the_live_row_pass(monkeypatch):
+    def rule(node, spec, options):
+        raise ValueError("injected rule failure")
+
+    monkeypatch.setattr(row_rules, "_RULES", dict(row_rules._RULES) | {aten.linear.default: rule})
+    (message,) = _run_with_warnings(specpass.backend(handoff="eager"))
+    assert "pass live_rows failed (ValueError: injected rule failure)" in message, message
+
+
+def test_a_capture_failure_compiles_the_step_unrewritten(monkeypatch):
+    def to_aten_ir(gm, example_inputs):
+        raise RuntimeError("injected capture failure")
+
+    monkeypatch.setattr(backend_module, "to_aten_ir", to_aten_ir)
+    (message,) = _run_with_warnings(specpass.backend(handoff="eager"))
+    assert "could not capture this graph (RuntimeError: injected capture failure)" in message, message
+
+
+def test_a_preparation_failure_compiles_the_step_unrewritten(monkeypatch):
+    def adopt(dynamo_gm, aten_gm):
+        raise RuntimeError("injected metadata failure")
+
+    monkeypatch.setattr(backend_module, "adopt_dynamo_inputs", adopt)
+    (message,) = _run_with_warnings(specpass.backend(handoff="eager"))
+    assert "could not prepare this graph (RuntimeError: injected metadata failure)" in message, message
+
+
+def test_a_report_that_cannot_be_printed_does_not_stop_the_rewrite(monkeypatch, caplog):
+    def text(self):
+        raise TypeError("injected formatting failure")
+
+    monkeypatch.setattr(report.Report, "__str__", text)
+    with caplog.at_level(logging.INFO, logger="specpass"):  # the report is formatted when logged
+        (message,) = _run_with_warnings(specpass.backend(handoff="eager"))
+    assert "could not log its report (TypeError: injected formatting failure)" in message, message
+
+
+def test_an_inductor_failure_on_the_rewritten_graph_compiles_it_unrewritten(monkeypatch):
+    compiled = []
+
+    class Inductor:  # fails on any graph specpass rewrote (it has fewer matmul rows), runs others
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, gm, example_inputs):
+            compiled.append(gm)
+            if len(compiled) == 1:
+                raise RuntimeError("injected codegen failure")
+            return gm
+
+    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", Inductor)
+    (message,) = _run_with_warnings(specpass)
+    assert "compiling the rewritten graph failed (RuntimeError: injected codegen failure)" in message, message
+    assert len(compiled) == 2
