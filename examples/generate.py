@@ -55,6 +55,13 @@ def _collect_reports() -> list[str]:
     return reports
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=pathlib.Path, default=DEFAULT_TARGET, help="Llama checkpoint folder")
@@ -63,9 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     draft.add_argument("--nextn", type=pathlib.Path, help="NextN/MTP layer folder (DeepSeek-V3 or Qwen3.5)")
     draft.add_argument("--draft", type=pathlib.Path, help="standalone Llama draft folder")
     parser.add_argument("--prompt", action="append", help="repeat for a batch (default: held-out prompts)")
-    parser.add_argument("--num-prompts", type=int, default=2, help="how many default prompts")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per round")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--num-prompts", type=positive_int, default=2, help="how many default prompts")
+    parser.add_argument("--k", type=positive_int, default=4, help="draft tokens per round")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--compile", choices=COMPILERS, default="specpass")
@@ -75,10 +82,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--round", choices=["fused", "apart"],
                         help="compile the whole round as one graph (one CUDA graph replay per round; default on "
                              "CUDA) or each step apart (default on CPU, where nothing is replayed)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each decoder (the median counts)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs of each decoder (the median counts)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 unless every token equals plain greedy decoding's")
     args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        parser.error(f"--device {args.device}: {exc}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}, but this torch sees no CUDA GPU: use --device cpu")
     if not (args.eagle or args.nextn or args.draft):
         args.eagle = DEFAULT_EAGLE
     return args
@@ -118,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile != "eager":
             print(f"{name}: warm-up (compilation) {time.perf_counter() - start:.1f} s", file=sys.stderr)
         runs = [decoder.generate(prompts, max_new_tokens=args.max_new_tokens, eos_id=EOS)
-                for _ in range(max(args.repeats, 1))]
+                for _ in range(args.repeats)]
         results[name] = runs[0]
         seconds[name] = statistics.median(r.metrics.seconds for r in runs)
 
@@ -135,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mean accepted length: {m.accept_length:.2f} tokens per round (at most {args.k + 1})")
     print("acceptance per draft position: " + " ".join(f"{p:.2f}" for p in m.acceptance))
     print(f"tokens/s: speculative {speed['speculative']:.1f}, plain target decoding {speed['plain']:.1f} "
-          f"({speed['speculative'] / speed['plain']:.2f}x, median of {max(args.repeats, 1)} runs each)")
+          f"({speed['speculative'] / speed['plain']:.2f}x, median of {args.repeats} runs each)")
     same = out.tokens == results["plain"].tokens
     print(f"check: every token equals plain greedy decoding: {'yes' if same else 'NO'}")
     return 0 if same or not args.check else 1

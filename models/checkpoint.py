@@ -5,6 +5,9 @@
     model = load(Llama, "ckpt/", device="cuda", dtype=torch.bfloat16)
     head = load(Eagle3Head, "head/", shared={"embed_tokens.weight": target.model.embed_tokens.weight})
 
+Saving is all-or-nothing too: the files are written into a staging folder beside `directory` and
+renamed into place at the end, so a failure midway leaves an existing checkpoint as it was.
+
 Loading is strict and all-or-nothing: every problem (missing file, missing or unexpected key,
 wrong shape, wrong dtype) is collected and raised in one `CheckpointError` before any tensor
 reaches the model; the model is built on the meta device, so nothing is allocated for it
@@ -18,12 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 CONFIG_FILE = "config.json"
@@ -83,8 +89,14 @@ def save(model_or_state: nn.Module | dict[str, torch.Tensor], config: ConfigBase
 
     Above `max_shard_bytes` of tensor data the weights go to shards `model-00001-of-0000n.safetensors`
     of at most that many bytes each (a bigger tensor gets a shard of its own), named in Hugging
-    Face's `model.safetensors.index.json` (`metadata.total_size`, `weight_map`).
+    Face's `model.safetensors.index.json` (`metadata.total_size`, `weight_map`). Other files in
+    `directory` are kept; an earlier save's weights are replaced.
     """
+    if not isinstance(config, ConfigBase):
+        raise TypeError(f"config must be the model's config (a models.checkpoint.ConfigBase, e.g. model.config), "
+                        f"got {type(config).__name__}")
+    if max_shard_bytes is not None and (not isinstance(max_shard_bytes, int) or max_shard_bytes < 1):
+        raise ValueError(f"max_shard_bytes must be a positive int (or None: one file), got {max_shard_bytes!r}")
     if isinstance(model_or_state, nn.Module):
         tensors, _ = checkpoint_tensors(model_or_state)
     else:
@@ -94,25 +106,48 @@ def save(model_or_state: nn.Module | dict[str, torch.Tensor], config: ConfigBase
     if len(floating) > 1:
         raise CheckpointError(f"mixed floating dtypes {sorted(map(str, floating))}; cast the model to one dtype first")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"{directory} is a file, not a folder: pass the folder to save the checkpoint into")
     meta = config.to_dict()
     if floating:
         meta["dtype"] = str(floating.pop()).removeprefix("torch.")
-    (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    for stale in (directory / WEIGHTS_FILE, directory / INDEX_FILE, *directory.glob("model-*-of-*.safetensors")):
-        stale.unlink(missing_ok=True)  # an earlier save's weights, single or sharded, would be read instead
+    home = directory.resolve()
+    home.parent.mkdir(parents=True, exist_ok=True)
+    staging = home.parent / f".{home.name}.partial-{uuid.uuid4().hex[:8]}"  # same file system: renames
+    staging.mkdir()
+    try:
+        written = _write(staging, tensors, meta, max_shard_bytes)
+        if not home.exists():
+            staging.rename(home)  # the folder appears whole or not at all
+            return directory
+        for name in written:
+            os.replace(staging / name, home / name)
+        for stale in (home / WEIGHTS_FILE, home / INDEX_FILE, *home.glob("model-*-of-*.safetensors")):
+            if stale.name not in written:  # an earlier save's weights, single or sharded, would be read instead
+                stale.unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def _write(directory: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+           max_shard_bytes: int | None) -> list[str]:
+    """Write a checkpoint into an empty folder -> the file names, config.json last."""
     shards = _shards(tensors, max_shard_bytes)
     if len(shards) == 1:
         save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        return directory
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())}, "weight_map": weight_map}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return directory
+        written = [WEIGHTS_FILE]
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(directory / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        written = sorted(set(weight_map.values())) + [INDEX_FILE]
+    (directory / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return written + [CONFIG_FILE]
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[dict[str, torch.Tensor]]:
@@ -130,19 +165,40 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_WRITE_ONE = "write one with models.checkpoint.save(model, config, dir) or models.zoo.make_checkpoint(name, dir)"
+
+
 def read_config(cls, directory: str | Path) -> tuple[ConfigBase, dict[str, Any]]:
     directory = Path(directory)
+    if not directory.exists():
+        raise CheckpointError(f"checkpoint folder {directory} does not exist: check the path, or {_WRITE_ONE}")
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory} is a file, not a checkpoint folder: pass the folder that holds "
+                              f"{CONFIG_FILE} and the weights")
     path = directory / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(
-            f"{path} not found: a checkpoint folder holds {CONFIG_FILE} and {WEIGHTS_FILE}; "
-            "write one with models.checkpoint.save(model, config, dir) or models.zoo.make_checkpoint(name, dir)")
-    raw = json.loads(path.read_text())
+            f"{path} not found: a checkpoint folder holds {CONFIG_FILE} and {WEIGHTS_FILE}; {_WRITE_ONE}")
+    raw = _read_json(path)
     expected = getattr(cls, "architectures", None)
     found = raw.get("architectures")
     if expected and found and not set(found) & set(expected):
         raise CheckpointError(f"{path} describes {found}, not a checkpoint {cls.__name__} loads ({expected})")
-    return cls.config_class.from_dict(raw), raw
+    try:
+        return cls.config_class.from_dict(raw), raw
+    except (TypeError, ValueError) as exc:  # a value the config class refuses (CheckpointError included)
+        raise CheckpointError(f"{path}: {exc}; fix the file or write it again with models.checkpoint.save") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc}); it may be truncated: copy or write it "
+                              "again") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(raw).__name__}, not an object; copy or write it again")
+    return raw
 
 
 def load(cls, directory: str | Path, device=None, dtype: torch.dtype | None = None,
@@ -173,10 +229,14 @@ def load(cls, directory: str | Path, device=None, dtype: torch.dtype | None = No
     files = _weight_files(directory)
     in_file: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                in_file[name] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype()))
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    in_file[name] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype()))
+        except SafetensorError as exc:  # safe_open checks that the header covers the whole file
+            raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); it may be truncated "
+                                  "(an interrupted copy or download): copy or write it again") from exc
 
     # name -> (where it comes from, shape, dtype); shared= wins over a copy some exporters write
     sources = {name: ("file", *in_file[name]) for name in expected if name in in_file}
@@ -212,6 +272,10 @@ def load(cls, directory: str | Path, device=None, dtype: torch.dtype | None = No
         problems.append(f"wrong shapes ({len(wrong_shape)}): " + "; ".join(wrong_shape))
     if wrong_dtype:
         problems.append(f"wrong dtypes ({len(wrong_dtype)}): " + "; ".join(wrong_dtype))
+    if missing or unexpected or wrong_shape or wrong_dtype:
+        weights = files[0] if len(files) == 1 else directory / INDEX_FILE
+        problems.append(f"{weights} does not hold the weights {directory / CONFIG_FILE} describes: load the "
+                        f"folder with the class and config that wrote it, or save the model into it again")
     if problems:
         raise CheckpointError(f"cannot load {directory} into {cls.__name__}:\n  " + "\n  ".join(problems))
 
@@ -237,15 +301,18 @@ def _weight_files(directory: Path) -> list[Path]:
     if single.is_file():
         return [single]
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map (tensor name -> shard file); copy or write it again")
+        shards = sorted(set(weight_map.values()))
         absent = [s for s in shards if not (directory / s).is_file()]
         if absent:
-            raise CheckpointError(f"{index} names shard files that are not there: {absent}")
+            raise CheckpointError(f"{index} names shard files that are not in {directory}: {absent}; copy them "
+                                  "there (an incomplete download?) or write the checkpoint again")
         return [directory / s for s in shards]
     raise CheckpointError(
         f"{single} not found (nor a sharded {INDEX_FILE}): a checkpoint folder holds {CONFIG_FILE} and "
-        f"{WEIGHTS_FILE}; write one with models.checkpoint.save(model, config, dir) or "
-        "models.zoo.make_checkpoint(name, dir)")
+        f"{WEIGHTS_FILE}; {_WRITE_ONE}")
 
 
 def _cast(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:

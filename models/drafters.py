@@ -56,6 +56,10 @@ class ZooDrafter(nn.Module):
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.to_target(ids) if isinstance(self.model, Eagle3Head) else ids
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """What the loop checks against the target's vocabulary (the drafter reads every target id)."""
+        return self.model.model.embed_tokens if isinstance(self.model, Llama) else self.model.embed_tokens
+
 
 def check_pair(target: LlamaConfig, draft: Eagle3Config | NextNConfig | LlamaConfig) -> None:
     """Raise CheckpointError when a draft cannot run against this target (vocabulary, hidden sizes)."""

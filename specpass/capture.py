@@ -66,20 +66,47 @@ def adopt_dynamo_inputs(dynamo_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> N
 def capture(fn: Callable, *args: Any, dynamic: bool = False, **kwargs: Any) -> fx.GraphModule:
     """Trace `fn(*args, **kwargs)` into the IR the backend compiles, without running it.
 
-    `fn` is a module or a function; it must compile to one graph (`fullgraph=True`).
+    `fn` is a module or a function; it must compile to one graph (`fullgraph=True`): a graph break
+    raises `CaptureError` with Dynamo's reason and where it broke.
     Buffers it mutates (KV caches) are left untouched. `dynamic=True` captures with symbolic
     sizes, as `torch.compile(fn, dynamic=True)` does.
     """
+    if not callable(fn):
+        raise TypeError(f"expected an nn.Module or a function to trace (the draft step), got a "
+                        f"{type(fn).__name__}: pass the model or its step function first, then its example inputs")
     compiled = torch.compile(fn, backend=_stop_after_capture, fullgraph=True, dynamic=dynamic)
     try:
         with torch._dynamo.config.patch(suppress_errors=False):
             compiled(*args, **kwargs)
     except Exception as exc:  # Dynamo wraps what the backend raises; dig ours out
         captured = find_cause(exc, _Captured)
-        if captured is None:
-            raise
-        return captured.graph_module
+        if captured is not None:
+            return captured.graph_module
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        if isinstance(exc, torch._dynamo.exc.Unsupported):
+            raise CaptureError(
+                f"{name} must compile to one graph, but Dynamo breaks it{_where(exc)}: {_reason(exc)}. "
+                "Make the step one graph: no print, .item() or tensor-valued if/while inside it (torch.where "
+                "or torch.cond instead), or capture only the part that is one graph") from exc
+        if isinstance(exc, torch._dynamo.exc.TorchRuntimeError):
+            raise CaptureError(
+                f"{name} fails on these inputs{_where(exc)}: {_reason(exc)}. Check that it runs on them "
+                "without torch.compile (shapes, dtypes, devices)") from exc
+        raise
     raise CaptureError("Dynamo did not compile a graph for this call (cached or skipped frame)")
+
+
+def _where(exc: Exception) -> str:
+    frame = getattr(exc, "innermost_user_frame_summary", None)
+    return f" at {frame.filename}:{frame.lineno} ({(frame.line or '').strip()})" if frame else ""
+
+
+def _reason(exc: Exception) -> str:
+    """Dynamo's reason in one line: its message's title and the first line of its explanation."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    explanation = next((line.removeprefix("Explanation:").strip().rstrip(".") for line in lines
+                        if line.startswith("Explanation:")), "")
+    return f"{lines[0]} ({explanation})" if lines and explanation else (lines[0] if lines else type(exc).__name__)
 
 
 class _Captured(Exception):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -71,6 +72,9 @@ class Drafter(Protocol):
 
     def to_target(self, ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids (identity when the vocabularies are the same)."""
+
+    # Optional: `get_input_embeddings() -> nn.Embedding`, the embedding the drafter reads target ids
+    # with; `Decoder` then checks up front that it takes every id of the target's vocabulary.
 
 
 class State(NamedTuple):
@@ -272,19 +276,32 @@ class Decoder:
     def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int = 4, max_batch: int,
                  max_len: int, compile: str | Callable = "specpass", mode: str | None = None,
                  fused_round: bool = False):
-        if drafter is not None and k < 1:
-            raise ValueError(f"k must be at least 1, got {k}")
-        if isinstance(compile, str) and compile not in COMPILERS:
-            raise ValueError(f"compile must be one of {list(COMPILERS)} or a backend, got {compile!r}")
+        _require(target, "target", Target, ("parameters", "setup_caches", "__call__"))
+        if drafter is not None:
+            _require(drafter, "drafter", Drafter, ("hidden_kind", "setup_caches", "catch_up", "draft_step", "to_target"))
+            if drafter.hidden_kind is not None:
+                _require(target, "target", Target, ("forward_with_hidden",))
+            if not _is_int(k) or k < 1:
+                raise ValueError(f"k (draft tokens per round) must be an int >= 1, got {k!r}; "
+                                 "for plain decoding pass drafter=None")
+        for name, value in (("max_batch", max_batch), ("max_len", max_len)):
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (a static cache size), got {value!r}")
+        if not (compile in COMPILERS if isinstance(compile, str) else callable(compile)):
+            raise ValueError(f"compile must be one of {list(COMPILERS)} or a backend callable, got {compile!r}")
+        parameter = next(iter(target.parameters()), None)
+        if parameter is None:
+            raise ValueError("the target has no parameters: the loop puts its state on the device of the target's")
         self.target, self.drafter = target, drafter
         self.k = k if drafter is not None else 0
         self.max_batch, self.max_len = max_batch, max_len
-        self.device = next(target.parameters()).device
+        self.device = parameter.device
         self.cudagraphs = mode == "reduce-overhead" and compile != "eager"
         self.fused_round = fused_round
         target.setup_caches(max_batch, max_len)
         if drafter is not None:
             drafter.setup_caches(max_batch, max_len)
+        self.vocab_size = self._probe()
 
         kind = drafter.hidden_kind if drafter is not None else None
         self.steps = Steps(
@@ -308,9 +325,9 @@ class Decoder:
         (the host clock on CPU) after each step, read once at the end, so no sync is added.
         """
         B = len(prompts)
-        limits = _per_request(max_new_tokens, B, "max_new_tokens")
-        eos = _per_request(-1 if eos_id is None else eos_id, B, "eos_id")
-        self._check(prompts, limits)
+        limits = _per_request(max_new_tokens, B, "max_new_tokens", low=1)
+        eos = _per_request(-1 if eos_id is None else eos_id, B, "eos_id", low=-1)  # -1: none
+        prompts = self._check(prompts, limits)
         start = self._clock()
         state, d1, h = prefill(self.target, self.drafter, self.k, prompts, limits, eos, self.max_batch, self.max_len)
         prefill_end = self._clock()
@@ -347,16 +364,71 @@ class Decoder:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _check(self, prompts: Sequence[Sequence[int]], limits: list[int]) -> None:
-        if not 0 < len(prompts) <= self.max_batch:
-            raise ValueError(f"{len(prompts)} prompts; this decoder holds 1 to {self.max_batch} (max_batch)")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        need = max(len(p) for p in prompts) + max(limits) + 2 * self.k + 1
-        if need > self.max_len:
+    @torch.no_grad()
+    def _probe(self) -> int:
+        """One token through the target and the drafter before anything is compiled, so that models
+        which do not fit fail here, named, not inside a kernel mid-decoding (on a GPU an id out of
+        range is a device-side assert). Writes cache slots 0 and 1, which every prefill overwrites.
+        -> the target's vocabulary size."""
+        zeros = torch.zeros(self.max_batch, 1, dtype=torch.long, device=self.device)
+        kind = self.drafter.hidden_kind if self.drafter is not None else None
+        if kind is None:
+            logits, hidden = self.target(zeros, zeros), None
+        else:
+            logits, hidden = self.target.forward_with_hidden(zeros, zeros, kind)
+        V = logits.shape[-1]
+        if self.drafter is None:
+            return V
+        try:
+            draft_logits, _ = self.drafter.catch_up(zeros, zeros + 1, hidden, zeros[:, 0])
+        except Exception as exc:  # a shape mismatch somewhere inside the drafter
+            reads = f"the target's {kind!r} hidden states {list(hidden.shape)}" if kind else "one token"
+            reason = (str(exc).strip().splitlines() or [""])[0]
+            sizes = " (its hidden sizes, e.g. EAGLE-3's target_hidden_size, must match the target's)" if kind else ""
+            raise ValueError(f"the drafter does not fit the target: its catch_up fails on {reads} "
+                             f"({type(exc).__name__}: {reason}). Use a drafter made for this target{sizes}") from exc
+        ids = self.drafter.to_target(torch.arange(draft_logits.shape[-1], device=self.device))
+        if not torch.equal(ids.clamp(0, V - 1), ids):  # not .all().item(): tests count .item() as host syncs
+            outside = ids[(ids < 0) | (ids >= V)]
+            raise ValueError(f"the drafter's vocabulary does not fit the target's: to_target maps {len(outside)} of its "
+                             f"{len(ids)} ids outside the target's {V} (e.g. {outside[:3].tolist()}); use a drafter "
+                             "made for this target")
+        embeddings = getattr(self.drafter, "get_input_embeddings", None)
+        rows = embeddings().num_embeddings if embeddings is not None else V
+        if rows < V:
+            raise ValueError(f"the drafter embeds {rows} token ids but the target's vocabulary has {V}: it reads "
+                             "every token the target emits; use a drafter made for this target")
+        return V
+
+    def _check(self, prompts: Sequence[Sequence[int]], limits: list[int]) -> list[list[int]]:
+        """Each problem named, with what to do -> the prompts as lists of ints."""
+        if len(prompts) == 0:
+            raise ValueError("no prompts: pass a list of prompts, each a list of token ids")
+        if len(prompts) > self.max_batch:
+            raise ValueError(f"{len(prompts)} prompts but max_batch is {self.max_batch}: raise max_batch "
+                             f"or generate in batches of {self.max_batch}")
+        checked = []
+        for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+            if isinstance(prompt, (str, bytes)):
+                raise TypeError(f"prompt {i} is a {type(prompt).__name__}: encode the text to token ids first")
+            ids = list(prompt)
+            if not ids:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token (e.g. BOS)")
+            for j, t in enumerate(ids):
+                if not _is_int(t) or not 0 <= t < self.vocab_size:
+                    raise ValueError(f"prompt {i} holds {t!r} at index {j}, not a token id of the target's "
+                                     f"vocabulary (ints 0..{self.vocab_size - 1}): encode it with the target's tokenizer")
             # A finished request keeps running frozen; a round writes up to K+1 slots past it.
-            raise ValueError(f"max_len {self.max_len} is too small: the longest prompt + max_new_tokens "
-                             f"+ 2k + 1 = {need} cache slots are needed")
+            need = len(ids) + limit + 2 * self.k + 1
+            if len(ids) >= self.max_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens but max_len is {self.max_len}: raise max_len "
+                                 f"(to {need} for max_new_tokens {limit}) or shorten the prompt")
+            if need > self.max_len:
+                raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_new_tokens {limit} + 2k + 1 = {need} cache "
+                                 f"slots, but max_len is {self.max_len}: raise max_len to {need}, or lower "
+                                 "max_new_tokens or shorten the prompt")
+            checked.append([int(t) for t in ids])
+        return checked
 
 
 def _compiler(compile: str | Callable, mode: str | None) -> Callable[[Callable], Callable]:
@@ -366,11 +438,27 @@ def _compiler(compile: str | Callable, mode: str | None) -> Callable[[Callable],
     return lambda fn: torch.compile(fn, backend=backend, mode=mode, fullgraph=True, dynamic=False)
 
 
-def _per_request(value: int | Sequence[int], n: int, name: str) -> list[int]:
-    values = [int(value)] * n if isinstance(value, int) else [int(v) for v in value]
+def _per_request(value: int | Sequence[int], n: int, name: str, low: int) -> list[int]:
+    """One int >= low for every request, or one per request."""
+    per_request = isinstance(value, Sequence)
+    values = list(value) if per_request else [value] * n
     if len(values) != n:
-        raise ValueError(f"{name}: {len(values)} values for {n} prompts")
-    return values
+        raise ValueError(f"{name} has {len(values)} values for {n} prompts: pass one per prompt, or one int for all")
+    for i, v in enumerate(values):
+        if not _is_int(v) or v < low:
+            raise ValueError(f"{name}{f'[{i}]' if per_request else ''} must be an int >= {low}, got {v!r}")
+    return [int(v) for v in values]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _require(model: Any, role: str, protocol: type, members: tuple[str, ...]) -> None:
+    missing = [m for m in members if not hasattr(model, m)]
+    if missing:
+        raise TypeError(f"the {role} ({type(model).__name__}) lacks {missing}: a {role} needs the members of "
+                        f"specpass.speculative.{protocol.__name__}")
 
 
 def _clone(state: State, *tensors: Tensor | None) -> tuple:

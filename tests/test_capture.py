@@ -104,7 +104,7 @@ return (select,)""")
             torch._dynamo.graph_break()
             return y + 1
 
-        with self.assertRaises(torch._dynamo.exc.Unsupported):
+        with self.assertRaisesRegex(specpass.CaptureError, "with_break must compile to one graph.*graph_break"):
             specpass.capture(with_break, torch.randn(3))
 
 

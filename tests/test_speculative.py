@@ -220,7 +220,7 @@ def test_example_check_with_a_standalone_draft(tmp_path):
 
 def test_example_missing_and_mismatched_checkpoints(tmp_path):
     result = run_example("--target", tmp_path / "nowhere", "--eagle", tmp_path / "nothing")
-    assert result.returncode == 2 and "config.json not found" in result.stderr
+    assert result.returncode == 2 and "nowhere does not exist: check the path" in result.stderr
     zoo.make_checkpoint("tiny-llama", tmp_path / "t")
     model = zoo.build(dataclasses.replace(zoo.config("tiny-qwen3.5-nextn"), vocab_size=300, hidden_size=32))
     save(model, model.config, tmp_path / "n")
