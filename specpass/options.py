@@ -24,6 +24,10 @@ class Options:
     # argmax: "exact" keeps exp(top_x - logsumexp(x)); "ones" replaces used probability
     # values by 1 (only when the caller states the values do not matter).
     max_probs: str = "exact"
+    # argmax: which index on ties among the probabilities. "input": the largest softmax input,
+    # the first among equal inputs (eager's index wherever its maximum probability is unique).
+    # "eager": eager's index, the first probability equal to the maximum after rounding.
+    argmax_ties: str = "input"
     # Backend only: "inductor" compiles the rewritten graph, "eager" runs it as is.
     handoff: str = "inductor"
 
@@ -45,7 +49,7 @@ class Options:
                                             or isinstance(options["split_min_rows"], bool)
                                             or options["split_min_rows"] < 0):
             raise ValueError(f"specpass option split_min_rows= must be an int >= 0, got {options['split_min_rows']!r}")
-        choices = {"max_probs": ("exact", "ones"), "handoff": ("inductor", "eager")}
+        choices = {"max_probs": ("exact", "ones"), "argmax_ties": ("input", "eager"), "handoff": ("inductor", "eager")}
         for name, allowed in choices.items():
             if name in options and options[name] not in allowed:
                 raise ValueError(

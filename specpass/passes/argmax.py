@@ -8,35 +8,48 @@ IR (capture.py): undecomposed pre-dispatch ATen. The pass looks for
     max.dim(p', d) -> getitem 0/1 | topk(p', k, d) -> getitem 0/1 | argmax(p', d) | amax(p', [d]) | max(p')
 
 where the consumer reduces along the softmax's axis `d` (any spelling: -1 and ndim-1 are the
-same axis; a full reduction counts when every other axis has size 1). `s` may itself be
-`x` through float casts and multiplication / division by positive Python numbers (the
-temperature); a temperature that is a tensor, or a number that is not positive and finite, is
-refused, as is anything else this pass cannot prove.
+same axis; a full reduction counts when every other axis has size 1). Whatever made `s` (a
+temperature of any sign, a tensor, zero) does not matter: the rewrite reads `s` itself.
 
-Rewrite rule, with `s_in` the tensor softmax actually consumed (`s`, cast to `dtype=` if given):
+Rewrite rule, with `s_in` the tensor softmax actually consumed (`s`, cast to `dtype=` if given),
+m = amax(s_c, d), z = sum(exp(s_c - m), d), s_c = s_in upcast to f32 if it is f16/bf16 (what
+softmax kernels accumulate in):
 
-    indices = argmax(s_in, <consumer's dim, keepdim>)       k = 1   (max.dim, argmax, topk(1))
-            = topk(s_in, k, d, sorted).indices              k > 1
-    values  = exp(top - m) / z, with m = amax(s_c, d), z = sum(exp(s_c - m), d)      softmax
-            = (top - m) - log(z)                                                  log_softmax
-      for k = 1 the top element is m itself (exp(m - m) / z: 1 / z, or NaN for a row with no
-      finite max, as softmax gives); s_c = s_in upcast to f32 if it is f16/bf16 (what softmax
-      kernels accumulate in); the result is cast to the dtype the original produced and through
-      its casts after p, so it rounds where the original rounded.
+    indices = where(top < inf, argmax(s_in, d), 0)          k = 1 (max.dim, argmax, topk(1))
+              top: m where the values compute it, else s_in at the index (argmax's own max)
+            = topk(where(m < inf, s_in, nan), k, d).indices  k > 1, or a topk(1) that does not
+                                                             return the first of equal values
+    values  = exp(top - m) / z                softmax (times 1 / z on CPU, as ATen's CPU kernel)
+            = (top - m) - log(z)              log_softmax
+      for k = 1 the top element is m itself; the result is cast to the dtype the original produced
+      and through its casts after p, so it rounds where the original rounded.
     max_probs="ones": values = (indices >= 0).to(dtype), all ones, fused into the argmax kernel.
 
-Values are computed only where they have users, so an indices-only consumer is one argmax.
-`amax, sub, exp, sum(keepdim=True)` over one axis is the pattern Inductor's post-grad pass
-turns into a single online-softmax reduction (prepare_softmax_online) on GPU, which fuses
-with the argmax over the same input. Few rows over a long last axis are cut into chunks
-(CHUNK_ROWS below): stage 1 reduces each chunk (max, sum, argmax; one kernel), stage 2 combines
-the chunks per row: m = max(m_c), z = sum(z_c * exp(m_c - m)), index = w * chunk + i_c[w] with
-w the first chunk holding m, so the index is the first position of the max, as argmax's.
+Non-finite rows: where m is +inf or NaN, softmax gives NaN everywhere and the original's index
+is the one its reduction gives an all-NaN row: 0 for max and argmax, topk's own order for topk
+(which is why topk's input becomes NaN there); the values come out NaN through m and z.
 
-Ties: the original picks among the probabilities, where rounding inside softmax can merge
-distinct inputs into one value (e.g. exp(-1e-8) == 1.0 in fp32); it then returns the first of
-the merged positions. The rewrite returns the position of the largest input, the first one
-among exactly equal inputs (argmax's documented rule). docs/passes.md has the details.
+Ties (docs/passes.md, "Ties"): the original picks among the rounded probabilities, where rounding
+can merge distinct inputs into one value (bf16 probabilities merge many). argmax_ties="input"
+returns the position of the largest input, the first among exactly equal inputs; that is the
+original's index wherever its maximum probability is unique. argmax_ties="eager" returns the
+first position whose probability, computed and rounded as the values are, equals the maximum's:
+
+    hits    = (round(exp(s_c - m) / z) == round(exp(m - m) / z)).to(int32)   (16-bit: as bits)
+    indices = argmax(hits, d)                    (a NaN row has no hit: index 0, as the original)
+
+one more pass over each row behind m and z (in their kernel on CPU). It leaves alone the indices
+it cannot reproduce: of a topk that does not return the first of equal values (any k > 1), and
+of a log_softmax on CPU.
+
+Values are computed only where they have users, so an indices-only consumer is one argmax.
+`amax, sub, exp, sum(keepdim=True)` over one axis is the pattern Inductor's post-grad pass turns
+into a single online-softmax reduction (prepare_softmax_online) on GPU, which fuses with the
+argmax over the same input. Few rows over a long last axis are cut into chunks (CHUNK_ROWS
+below): stage 1 reduces each chunk (max, sum, argmax; one kernel), stage 2 combines the chunks
+per row: m = max(m_c), z = sum(z_c * exp(m_c - m)), index = w * chunk + i_c[w] with w the first
+chunk holding the row's maximum (of s, or of hits), so the index is the first position of it,
+as argmax's.
 
 New nodes are inserted right after the softmax, so they read `s` at the same program point
 the softmax did (a later in-place write to `s` cannot leak in). The softmax, the consumer and
@@ -71,7 +84,6 @@ _SOFTMAX = {
     aten.special_log_softmax.default: True,
 }
 _MAX_LIKE = {aten.max.dim, aten.max.default, aten.amax.default, aten.argmax.default}
-_SCALE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode}
 # Reductions of a softmax that are recognised but not rewritten: the smallest probabilities
 # underflow to ties at 0, so the input's order does not reproduce the original's choice.
 _SMALLEST = {aten.min.dim, aten.min.default, aten.amin.default, aten.argmin.default,
@@ -83,8 +95,9 @@ _HALF = (torch.float16, torch.bfloat16)
 # 2 x SMs rows longer than 8192 (Hopper), which turns its one-pass online softmax off. So when
 # the rows are fewer than CHUNK_ROWS, the softmax axis is cut into chunks of >= CHUNK_MIN
 # (a multiple of CHUNK_ALIGN): one kernel computes each chunk's max, arg-max and sum(exp),
-# a second, tiny one combines the chunks. Values-only or exact: from 2 chunks; indices only:
-# from 4 (a plain argmax is as fast below that; measured on H100, docs/passes.md).
+# a second, tiny one combines the chunks. With m and z (exact values, or argmax_ties="eager"):
+# from 2 chunks; indices only: from 4 (a plain argmax is as fast below that; measured on H100,
+# docs/passes.md).
 CHUNK_ROWS, CHUNK_MIN, CHUNK_ALIGN = 512, 2048, 128
 
 
@@ -105,25 +118,27 @@ def _rewrite_softmax(graph: fx.Graph, sm: fx.Node, options: Options) -> list[Fin
     if not consumers:
         return []
     try:
-        soft = _Softmax(graph, sm)
+        soft = _Softmax(graph, sm, options.argmax_ties)
     except _Refuse as why:
         return [Finding(NAME, f"{sm.name} -> {c.name}", False, str(why)) for c, _, _ in consumers]
 
     found: dict[fx.Node, Finding] = {}
-    accepted = []
+    accepted, stats = [], False
     for consumer, casts, path in consumers:
         try:
             if any(is_written_in_place(n) for n in path):
                 raise _Refuse(f"a copy of the softmax output between it and {consumer.name} is written in place")
             soft.check(consumer)
-            values_out, _ = _outputs(consumer)
+            values_out, indices_out = _outputs(consumer)
         except _Refuse as why:
             found[consumer] = Finding(NAME, f"{sm.name} -> {consumer.name}", False, str(why))
             continue
-        accepted.append((consumer, casts, bool(values_out)))
-    soft.plan(values=options.max_probs == "exact" and any(v for _, _, v in accepted))
+        accepted.append((consumer, casts))
+        # m and z: for exact values, and for the indices when ties follow the rounded probabilities
+        stats |= bool(values_out) and options.max_probs == "exact" or bool(indices_out) and soft.strict
+    soft.plan(stats)
     with graph.inserting_before(sm.next):  # new nodes read s where the softmax read it
-        for consumer, casts, _ in accepted:
+        for consumer, casts in accepted:
             message = soft.rewrite(consumer, casts, options)
             found[consumer] = Finding(NAME, f"{sm.name} -> {consumer.name}", True, message)
     return [found[c] for c, _, _ in consumers]
@@ -155,8 +170,9 @@ def _position(node: fx.Node) -> int:
 class _Softmax:
     """One softmax: what it consumed, in which dtype, and the reductions over it, shared by its consumers."""
 
-    def __init__(self, graph: fx.Graph, sm: fx.Node):
+    def __init__(self, graph: fx.Graph, sm: fx.Node, ties: str):
         self.graph, self.sm, self.is_log = graph, sm, _SOFTMAX[sm.target]
+        self.strict = ties == "eager"
         args = bind(sm)
         s, out = args["self"], val(sm)
         if not isinstance(s, fx.Node) or not isinstance(val(s), torch.Tensor):
@@ -167,19 +183,18 @@ class _Softmax:
             raise _Refuse("softmax over a 0-d tensor")
         self.ndim, self.shape = out.dim(), tuple(out.shape)
         self.dim = args["dim"] % self.ndim
-        self.out_dtype = out.dtype
-        _check_prefix(s)
+        self.out_dtype, self.device = out.dtype, out.device
         if is_written_in_place(sm):
             raise _Refuse("the softmax output (or a view of it) is written in place")
         self.s = s
         self.cast_to = args.get("dtype") if args.get("dtype") not in (None, val(s).dtype) else None
         self.compute_dtype = torch.float32 if out.dtype in _HALF else out.dtype
-        self.chunks, self.chunk, self.with_values = 1, self.shape[self.dim], False
+        self.chunks, self.chunk, self.with_stats = 1, self.shape[self.dim], False
         self._cache: dict[Any, fx.Node] = {}
 
-    def plan(self, values: bool) -> None:
+    def plan(self, stats: bool) -> None:
         """Split the softmax axis into chunks when the rows alone are too few (see CHUNK_ROWS)."""
-        self.with_values = values
+        self.with_stats = stats
         if any(map(is_symbolic, self.shape)):
             return  # the choice depends on the rows: one plan for every size is the unchunked one
         vocab = self.shape[self.dim]
@@ -191,8 +206,17 @@ class _Softmax:
             return
         chunk = _ceil_div(_ceil_div(vocab, want), CHUNK_ALIGN) * CHUNK_ALIGN
         chunks = _ceil_div(vocab, chunk)
-        if chunks >= (2 if values else 4):
+        if chunks >= (2 if stats else 4):
             self.chunks, self.chunk = chunks, chunk
+
+    def topk_keeps_first(self, k: int) -> bool:
+        """Does torch.topk(k) return the first of equal values, as argmax does? For k = 1: on CUDA
+        (radix select takes equal values in index order); on CPU over at least 64 values (a partial
+        sort with a strict comparison keeps the first; below 64 · k it uses std::nth_element, and
+        zeros(12).topk(1) is index 9). For k > 1 neither (all-NaN rows come out as 1, 0, 2, 3 on CUDA)."""
+        vocab = self.shape[self.dim]
+        return k == 1 and (self.device.type == "cuda" or self.device.type == "cpu" and not is_symbolic(vocab)
+                           and vocab >= 64)
 
     # -- shared nodes ---------------------------------------------------------------------------
 
@@ -200,6 +224,10 @@ class _Softmax:
         if key not in self._cache:
             self._cache[key] = emit(self.graph, target, args, kwargs)
         return self._cache[key]
+
+    def _of_z(self, target: Any, z: fx.Node) -> fx.Node:
+        """1 / z or log z, once per z: the values and the probabilities compared share it."""
+        return self._node((target, z), target, (z,))
 
     def s_in(self) -> fx.Node:
         """The tensor softmax reduced: its input, cast to `dtype=` first when one is given."""
@@ -226,9 +254,12 @@ class _Softmax:
             self._node("xs", aten.view.default, (x, list(self.shape[:-1]) + [self.chunks, self.chunk]))
         return self._cache["xs"]
 
+    def _is_chunked(self, dims: list[int]) -> bool:
+        return self.chunks > 1 and dims == [self.dim]
+
     def stats(self, dims: list[int]) -> tuple[fx.Node, fx.Node]:
         """(m, z) = (max, sum(exp(s - max))) over `dims`, keepdim, in the compute dtype."""
-        if self.chunks > 1 and dims == [self.dim]:
+        if self._is_chunked(dims):
             return self._chunk_stats()
         key = tuple(dims)
         if ("z", key) not in self._cache:
@@ -243,7 +274,7 @@ class _Softmax:
         if "Z" not in self._cache:
             inner, outer = self.ndim, self.dim  # the chunk axis and the chunk-index axis
             xc = self._shared_up("xs_c", self._chunked())
-            m_c = self._node("m_c_keep", aten.amax.default, (xc, [inner], True))
+            m_c = emit(self.graph, aten.amax.default, (xc, [inner], True))
             e = emit(self.graph, aten.exp.default, (emit(self.graph, aten.sub.Tensor, (xc, m_c)),))
             z_c = emit(self.graph, aten.sum.dim_IntList, (e, [inner], True))
             m_c = self._node("m_c", aten.squeeze.dims, (m_c, [inner]))
@@ -257,35 +288,96 @@ class _Softmax:
             self._node("Z", aten.sum.dim_IntList, (scaled, [outer], True))
         return self._cache["M"], self._cache["Z"]
 
-    def _chunk_argmax(self) -> tuple[fx.Node, fx.Node]:
-        """(first chunk holding the max) * chunk and (the max's index in it), both [..., 1]."""
-        if "at" not in self._cache:
-            inner, outer = self.ndim, self.dim
-            if self.with_values:
-                self._chunk_stats()  # one kernel: each chunk's max, sum and arg-max
-            i_c = emit(self.graph, aten.argmax.default, (self._chunked(), inner))
-            m_c = (self._cache["m_c"] if self.with_values
-                   else emit(self.graph, aten.amax.default, (self._chunked(), [inner])))
-            w = emit(self.graph, aten.argmax.default, (m_c, outer, True))
-            self._node("start", aten.mul.Tensor, (w, self.chunk))
-            self._node("at", aten.gather.default, (i_c, outer, w))
-        return self._cache["start"], self._cache["at"]
+    def _chunk_max(self) -> fx.Node:
+        """Each chunk's max [..., chunks]: the stats' when they are computed."""
+        if self.with_stats:
+            self._chunk_stats()
+        return self._node("m_c", aten.amax.default, (self._chunked(), [self.ndim]))
+
+    def _chunk_argmax(self, xs: fx.Node, m_c: fx.Node) -> fx.Node:
+        """The first position of the maximum of xs [..., chunks, chunk] (m_c: each chunk's), [..., 1]:
+        w * chunk + the arg-max in chunk w, w the first chunk holding the maximum."""
+        inner, outer = self.ndim, self.dim
+        w = emit(self.graph, aten.argmax.default, (m_c, outer, True))
+        at = emit(self.graph, aten.gather.default, (emit(self.graph, aten.argmax.default, (xs, inner)), outer, w))
+        return emit(self.graph, aten.add.Tensor, (emit(self.graph, aten.mul.Tensor, (w, self.chunk)), at))
+
+    def _round(self, node: fx.Node, dtypes: list[torch.dtype]) -> fx.Node:
+        """Cast through `dtypes` (the softmax's, then the casts to the consumer): round where the original rounded."""
+        for dtype in dtypes:
+            if val(node).dtype != dtype:
+                node = emit(self.graph, aten.to.dtype, (node, dtype))
+        return node
+
+    def _prob(self, top: fx.Node, m: fx.Node, z: fx.Node) -> fx.Node:
+        """exp(top - m) / z (log_softmax: top - m - log z) in the compute dtype, as softmax kernels
+        compute it; ATen's CPU kernel multiplies by 1 / z, and so does this on CPU. Over a whole row
+        this is recomputed, not shared with z's exp: Inductor would store a shared one."""
+        shifted = emit(self.graph, aten.sub.Tensor, (top, m))
+        if self.is_log:
+            return emit(self.graph, aten.sub.Tensor, (shifted, self._of_z(aten.log.default, z)))
+        e = emit(self.graph, aten.exp.default, (shifted,))
+        if self.device.type == "cpu":
+            return emit(self.graph, aten.mul.Tensor, (e, self._of_z(aten.reciprocal.default, z)))
+        return emit(self.graph, aten.div.Tensor, (e, z))
+
+    def _hits(self, dims: list[int], casts: list[torch.dtype]) -> fx.Node:
+        """int32, 1 where the probability rounds to the maximum's, as the original rounds both;
+        none in a row whose maximum is NaN. (Not int8: Inductor's CPU argmax over int8 returns
+        garbage for an all-zero row, torch 2.13.)"""
+        key = ("hits", tuple(dims), tuple(casts))
+        if key in self._cache:
+            return self._cache[key]
+        m, z = self.stats(dims)
+        if self._is_chunked(dims):
+            x = self._shared_up("xs_c", self._chunked())
+            m, z = (emit(self.graph, aten.unsqueeze.default, (n, -1)) for n in (m, z))
+        else:
+            x = self._shared_up("s_c", self.s_in())
+        dtypes = [self.out_dtype] + casts
+        short = [i for i, dtype in enumerate(dtypes) if dtype in _HALF]
+        if short:  # compare the bits of the last 16-bit value (widening it after is exact): Inductor
+            dtypes = dtypes[: short[-1] + 1]  # keeps a bf16/fp16 cast inside a kernel unrounded, not a bitcast
+        p, top = (self._round(self._prob(n, m, z), dtypes) for n in (x, m))
+        if short:
+            p, top = (emit(self.graph, aten.view.dtype, (n, torch.int16)) for n in (p, top))
+        return self._node(key, aten.to.dtype, (emit(self.graph, aten.eq.Tensor, (p, top)), torch.int32))
 
     # -- one consumer (every node it returns is new, so no two outputs alias) --------------------
 
-    def indices(self, target: Any, args: dict[str, Any], dims: list[int], k: int) -> fx.Node:
+    def indices(self, target: Any, args: dict[str, Any], dims: list[int], k: int,
+                casts: list[torch.dtype]) -> fx.Node:
         keepdim = target is aten.topk.default or args.get("keepdim", False)
-        if k > 1:
+        if target is aten.topk.default and not self.topk_keeps_first(k):
             return emit(self.graph, operator.getitem, (self.topk(k, args["sorted"]), 1))
-        if self.chunks > 1 and dims == [self.dim]:
-            start, at = self._chunk_argmax()
-            if not keepdim:
-                start, at = (emit(self.graph, aten.squeeze.dims, (n, dims)) for n in (start, at))
-            return emit(self.graph, aten.add.Tensor, (start, at))
-        return emit(self.graph, aten.argmax.default, (self.s_in(), args["dim"], keepdim))
+        x = self._hits(dims, casts) if self.strict else self.s_in()
+        if self._is_chunked(dims):
+            xs = x if self.strict else self._chunked()
+            m_c = emit(self.graph, aten.amax.default, (xs, [self.ndim])) if self.strict else self._chunk_max()
+            index = self._chunk_argmax(xs, m_c)
+        else:  # along the softmax's axis: the same index wherever the other reduced axes have size 1
+            index = emit(self.graph, aten.argmax.default, (x, self.dim, True))
+        if not self.strict:
+            # where the row holds NaN or +inf, softmax gives NaN everywhere and max's index is 0. The
+            # row max tells, where the values need it anyway; else the input at the index (argmax points
+            # at a NaN, else at a +inf, when the row has one): an amax beside the argmax would be a
+            # second reduction, which Inductor splits off into kernels of its own at few long rows
+            top = (self.stats(dims)[0] if self.with_stats
+                   else emit(self.graph, aten.gather.default, (self.s_in(), self.dim, index)))
+            index = emit(self.graph, aten.where.ScalarOther,
+                         (emit(self.graph, aten.lt.Scalar, (top, float("inf"))), index, 0))
+        return index if keepdim else emit(self.graph, aten.squeeze.dims, (index, dims))
 
     def topk(self, k: int, sorted_: bool) -> fx.Node:
-        return self._node(("topk", k, sorted_), aten.topk.default, (self.s_in(), k, self.dim, True, sorted_))
+        """topk of s_in, with the rows whose max is +inf or NaN all NaN, as the original's
+        probabilities there, so topk orders them as it ordered those."""
+        if ("topk", k, sorted_) not in self._cache:
+            m = (self.stats([self.dim])[0] if self.with_stats
+                 else emit(self.graph, aten.amax.default, (self.s_in(), [self.dim], True)))
+            finite = emit(self.graph, aten.lt.Scalar, (m, float("inf")))
+            x = emit(self.graph, aten.where.ScalarOther, (finite, self.s_in(), float("nan")))
+            self._node(("topk", k, sorted_), aten.topk.default, (x, k, self.dim, True, sorted_))
+        return self._cache[("topk", k, sorted_)]
 
     def values(self, target: Any, args: dict[str, Any], dims: list[int], k: int) -> fx.Node:
         """exp(top - m) / z (log_softmax: top - m - log z); for k = 1 the top is m itself."""
@@ -294,10 +386,7 @@ class _Softmax:
         if not keepdim:
             m, z = (emit(self.graph, aten.squeeze.dims, (n, dims)) for n in (m, z))
         top = m if k == 1 else self._up(emit(self.graph, operator.getitem, (self.topk(k, args["sorted"]), 0)))
-        shifted = emit(self.graph, aten.sub.Tensor, (top, m))  # k = 1: 0, or NaN where the max is not finite
-        if self.is_log:
-            return emit(self.graph, aten.sub.Tensor, (shifted, emit(self.graph, aten.log.default, (z,))))
-        return emit(self.graph, aten.div.Tensor, (emit(self.graph, aten.exp.default, (shifted,)), z))
+        return self._prob(top, m, z)  # k = 1: 1 / z, or NaN where the max is not finite
 
     def rewrite(self, consumer: fx.Node, casts: list[torch.dtype], options: Options) -> str:
         target, args = consumer.target, bind(consumer)
@@ -306,12 +395,17 @@ class _Softmax:
         what = []
         indices = None
         if indices_out:
-            indices = self.indices(target, args, dims, k)
+            indices = self.indices(target, args, dims, k, casts)
             for node in indices_out:
                 node.replace_all_uses_with(indices)
-            how = "topk" if k > 1 else "argmax" if self.chunks == 1 or dims != [self.dim] else (
-                f"argmax over {self.chunks} chunks of {self.chunk}")
-            what.append(f"indices = {how}({self.s_in().name})")
+            if target is aten.topk.default and not self.topk_keeps_first(k):
+                how = f"topk({self.s_in().name}, {k})"
+            else:
+                how = ("first index rounding to the max probability" if self.strict
+                       else f"argmax({self.s_in().name}), 0 where the max is not finite")
+                if self._is_chunked(dims):
+                    how += f", over {self.chunks} chunks of {self.chunk}"
+            what.append(f"indices = {how}")
         if values_out:
             dtype = val(values_out[0]).dtype
             if options.max_probs == "ones":
@@ -323,10 +417,7 @@ class _Softmax:
                 values = ones
                 what.append("values = ones (max_probs='ones')")
             else:
-                values = self.values(target, args, dims, k)
-                for dtype in [self.out_dtype] + casts:  # round where the original rounded
-                    if val(values).dtype != dtype:
-                        values = emit(self.graph, aten.to.dtype, (values, dtype))
+                values = self._round(self.values(target, args, dims, k), [self.out_dtype] + casts)
                 what.append("values = " + ("top - max - log(sum(exp(s - max)))" if self.is_log
                                            else "exp(top - max) / sum(exp(s - max))"))
             assert same_shape(val(values).shape, val(values_out[0]).shape), (values, values_out)
@@ -358,6 +449,13 @@ class _Softmax:
             raise _Refuse(f"{op} also reduces over dim(s) {wider}, not only the softmax's dim {self.dim}")
         if k > 1 and dims != [self.dim]:
             raise _Refuse("topk over a reshaped axis")
+        if self.strict and _outputs(consumer)[1]:  # the indices are used: the tie rule matters
+            if self.is_log and self.device.type == "cpu":
+                raise _Refuse("argmax_ties='eager': ATen's CPU log_softmax rounds otherwise than ATen ops do "
+                              "(its log, and in bf16/fp16 every step), so its ties cannot be reproduced")
+            if target is aten.topk.default and not self.topk_keeps_first(k):
+                raise _Refuse(f"argmax_ties='eager': topk({k}) orders equal probabilities its own way, not "
+                              "first index first; only the probabilities themselves reproduce that order")
         return dims, k
 
 
@@ -379,30 +477,3 @@ def _outputs(consumer: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
             (values if user.args[1] == 0 else indices).append(user)
     return values, indices
 
-
-def _check_prefix(s: fx.Node) -> None:
-    """Walk from the softmax input up through casts and scalings: every temperature must be provably positive."""
-    node = s
-    while isinstance(node, fx.Node) and node.op == "call_function":
-        if node.target in SAME_VALUES:
-            node = node.args[0]
-            continue
-        if node.target not in _SCALE:
-            return  # the logits x: whatever op made them, softmax sees s and so do we
-        args = bind(node)
-        if node.target is aten.div.Tensor_mode and args.get("rounding_mode") is not None:
-            raise _Refuse(f"{node.name} is a rounding division ({args['rounding_mode']!r}); it merges distinct logits")
-        a, b = args["self"], args["other"]
-        is_div = node.target in (aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode)
-        scale = node
-        if isinstance(a, fx.Node) and not isinstance(b, fx.Node):
-            number, node = b, a
-        elif not is_div and isinstance(b, fx.Node) and not isinstance(a, fx.Node):
-            number, node = a, b
-        else:
-            raise _Refuse(f"temperature in {scale.name} ({op_name(scale.target)}) is a tensor; its sign is unknown")
-        if isinstance(number, bool) or not isinstance(number, (int, float)):
-            raise _Refuse(f"temperature {number!r} in {scale.name} is not a real Python number")
-        if not (number > 0 and math.isfinite(number)):
-            raise _Refuse(f"temperature {number!r} in {scale.name} is not positive and finite; "
-                          "it does not preserve the order")
