@@ -8,3 +8,8 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="tests/test_generated.py: 5,000 random programs, every failure recorded and shrunk")
