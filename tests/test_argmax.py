@@ -717,3 +717,86 @@ def test_greedy_decoding_gives_the_same_tokens():
         assert torch.equal(tokens, expected_tokens)
         torch.testing.assert_close(scores, expected_scores, rtol=1e-5, atol=1e-6)
     assert specpass.explain(step, torch.tensor([[3], [7]]), torch.tensor([0])).rewrites
+
+
+def verify(logits, ids):
+    """A verifier's read: the log-probability the target gives each drafted token."""
+    return torch.log_softmax(logits, -1).gather(-1, ids)
+
+
+def sampled_logprob(logits):
+    """The sampled token and its log-probability, as engines return them."""
+    logprobs = torch.log_softmax(logits, -1)
+    token = logprobs.argmax(-1)
+    return token, logprobs.gather(-1, token[:, None])
+
+
+FORMS = {
+    "max": lambda x: torch.softmax(x, -1).max(-1),
+    "argmax": lambda x: torch.softmax(x, -1).argmax(-1),
+    "topk1": lambda x: torch.softmax(x.float(), -1).topk(1),
+    "amax": lambda x: torch.log_softmax(x, -1).amax(-1),
+    "sampled_logprob": sampled_logprob,
+    "verify": lambda x: verify(x, torch.arange(6).view(3, 2) * 7),
+    "verify_softmax": lambda x: torch.softmax(x, -1).gather(-1, torch.arange(3)[:, None]),
+}
+
+
+class TestOnePass(expecttest.TestCase):
+    def test_sampled_token_and_its_logprob_read_one_kernel(self):
+        """The CUDA path, run here with the op's torch implementation."""
+        argmax_pass.ONE_PASS_DEVICES.add("cpu")
+        try:
+            gm, result = rewrite(sampled_logprob, X)
+        finally:
+            argmax_pass.ONE_PASS_DEVICES.discard("cpu")
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+logits: f32[3, 50]
+reshape_default: f32[3, 50] = reshape(logits, [-1, 50])
+top1_lse_default: (i64[3], f32[3], f32[3]) = specpass.top1_lse(reshape_default)
+getitem: i64[3] = getitem(top1_lse_default, 0)
+reshape_default_1: i64[3, 1] = reshape(getitem, [3, 1])
+getitem_1: f32[3] = getitem(top1_lse_default, 1)
+reshape_default_2: f32[3, 1] = reshape(getitem_1, [3, 1])
+getitem_2: f32[3] = getitem(top1_lse_default, 2)
+reshape_default_3: f32[3, 1] = reshape(getitem_2, [3, 1])
+lt_scalar: b8[3, 1] = lt.Scalar(reshape_default_2, inf)
+where_scalar_other: i64[3, 1] = where.ScalarOther(lt_scalar, reshape_default_1, 0)
+squeeze_dims: i64[3] = squeeze.dims(where_scalar_other, [1])
+unsqueeze: i64[3, 1] = unsqueeze(squeeze_dims, 1)
+gather_default: f32[3, 1] = gather(logits, 1, unsqueeze)
+sub_tensor: f32[3, 1] = sub.Tensor(gather_default, reshape_default_3)
+return (squeeze_dims, sub_tensor)""")
+        self.assertExpectedInline("\n".join(findings(result)), """\
+[argmax] rewrote log_softmax -> argmax: log_softmax -> argmax along dim 1: indices = top1_lse(logits) index, 0 where the max is not finite (one pass)
+[argmax] rewrote log_softmax -> gather: log_softmax -> gather along dim 1: values = s[ids] - logsumexp(s) (one pass: top1_lse)""")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_every_form_matches_eager(monkeypatch, form, dtype, one_pass):
+    """Indices equal eager's; values within a rounding of the output dtype; on the one-pass kernel's
+    path and on Inductor's formulation; non-finite rows included."""
+    if one_pass:
+        monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    x = (torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+    x[1, 17] = float("inf")
+    fn = FORMS[form]
+    _, result = rewrite(fn, x)
+    assert result.report.rewrites and all(f.fired for f in result.report.of("argmax")), findings(result)
+    assert ("top1_lse" in graph_str(result.graph_module)) == one_pass
+    want = fn(x)
+    got = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x)
+    tolerance = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+        if w.is_floating_point():
+            torch.testing.assert_close(g, w, rtol=tolerance, atol=tolerance, equal_nan=True)
+        else:
+            assert torch.equal(g, w), (g, w)
+
+
+def test_gather_along_another_axis_is_left_alone():
+    _, result = rewrite(lambda x: torch.log_softmax(x, 0).gather(1, torch.zeros(3, 1, dtype=torch.long)), X)
+    assert [f.fired for f in result.report.of("argmax")] == [False]
+    assert "the softmax is over dim 0" in findings(result)[0]

@@ -24,6 +24,15 @@ softmax kernels accumulate in):
       for k = 1 the top element is m itself; the result is cast to the dtype the original produced
       and through its casts after p, so it rounds where the original rounded.
     max_probs="ones": values = (indices >= 0).to(dtype), all ones, fused into the argmax kernel.
+    gather(p', d, ids) = exp(s_c[ids] - m) / z, log_softmax: s_c[ids] - m - log z
+      (the probability of given tokens: a verifier reading the draft's tokens, or the
+      log-probability of the sampled one), without the full normalised tensor.
+
+On CUDA, a k = 1 consumer and a gather along the last axis read one kernel instead (one_pass):
+torch.ops.specpass.top1_lse (specpass/kernels) returns each row's first arg-max, its maximum
+and its log-sum-exp in one pass over the row, and the values are exp(top - lse), top - lse and
+s_c[ids] - lse (the same functions of the logits, summed in another order). Elsewhere, and for
+argmax_ties="eager" and topk(k > 1), the formulation above, which Inductor fuses.
 
 Non-finite rows: where m is +inf or NaN, softmax gives NaN everywhere and the original's index
 is the one its reduction gives an all-NaN row: 0 for max and argmax, topk's own order for topk
@@ -59,6 +68,7 @@ stays for them.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import operator
 from typing import Any
@@ -99,6 +109,11 @@ _HALF = (torch.float16, torch.bfloat16)
 # from 2 chunks; indices only: from 4 (a plain argmax is as fast below that; measured on H100,
 # docs/passes.md).
 CHUNK_ROWS, CHUNK_MIN, CHUNK_ALIGN = 512, 2048, 128
+
+# Where k = 1 and gathers read torch.ops.specpass.top1_lse: its one-pass Triton kernel beats
+# Inductor's formulation at every shape measured (docs/results.md). Tests add "cpu" to check the
+# rewrite with the op's torch implementation.
+ONE_PASS_DEVICES = {"cuda"}
 
 
 class _Refuse(Exception):
@@ -158,7 +173,8 @@ def _consumers(sm: fx.Node) -> list[tuple[fx.Node, list[torch.dtype], list[fx.No
                 if (isinstance(b, torch.Tensor) and b.is_floating_point() and same_shape(b.shape, a.shape)
                         and b.device == a.device):
                     stack.append((user, casts + [b.dtype], path + [user]))
-            elif user.target in _MAX_LIKE or user.target in _SMALLEST or user.target is aten.topk.default:
+            elif user.target in _MAX_LIKE or user.target in _SMALLEST or user.target in (aten.topk.default,
+                                                                                        aten.gather.default):
                 out.append((user, casts, path))
     return sorted(out, key=lambda c: _position(c[0]))
 
@@ -190,6 +206,9 @@ class _Softmax:
         self.cast_to = args.get("dtype") if args.get("dtype") not in (None, val(s).dtype) else None
         self.compute_dtype = torch.float32 if out.dtype in _HALF else out.dtype
         self.chunks, self.chunk, self.with_stats = 1, self.shape[self.dim], False
+        self.one_pass = not self.strict and self.dim == self.ndim - 1 and not any(map(is_symbolic, self.shape)) \
+            and self.device.type in ONE_PASS_DEVICES \
+            and (self.device.type != "cuda" or importlib.util.find_spec("triton") is not None)
         self._cache: dict[Any, fx.Node] = {}
 
     def plan(self, stats: bool) -> None:
@@ -253,6 +272,21 @@ class _Softmax:
                 x = emit(self.graph, aten.constant_pad_nd.default, (x, [0, pad], float("-inf")))
             self._node("xs", aten.view.default, (x, list(self.shape[:-1]) + [self.chunks, self.chunk]))
         return self._cache["xs"]
+
+    def top1_lse(self) -> tuple[fx.Node, fx.Node, fx.Node]:
+        """(first arg-max, max, log-sum-exp) of each row of s_in, [..., 1]: one kernel, one pass."""
+        if "top1" not in self._cache:
+            import specpass.kernels  # noqa: F401  registers torch.ops.specpass.top1_lse
+
+            rows = emit(self.graph, aten.reshape.default, (self.s_in(), [-1, self.shape[-1]]))
+            both = emit(self.graph, torch.ops.specpass.top1_lse.default, (rows,))
+            self._cache["top1"] = tuple(
+                emit(self.graph, aten.reshape.default, (emit(self.graph, operator.getitem, (both, i)),
+                                                        list(self.shape[:-1]) + [1])) for i in range(3))
+        return self._cache["top1"]
+
+    def _reads_one_pass(self, dims: list[int], k: int) -> bool:
+        return self.one_pass and dims == [self.dim] and k == 1
 
     def _is_chunked(self, dims: list[int]) -> bool:
         return self.chunks > 1 and dims == [self.dim]
@@ -350,6 +384,11 @@ class _Softmax:
         keepdim = target is aten.topk.default or args.get("keepdim", False)
         if target is aten.topk.default and not self.topk_keeps_first(k):
             return emit(self.graph, operator.getitem, (self.topk(k, args["sorted"]), 1))
+        if self._reads_one_pass(dims, k):
+            index, top, _ = self.top1_lse()
+            index = emit(self.graph, aten.where.ScalarOther,
+                         (emit(self.graph, aten.lt.Scalar, (top, float("inf"))), index, 0))
+            return index if keepdim else emit(self.graph, aten.squeeze.dims, (index, dims))
         x = self._hits(dims, casts) if self.strict else self.s_in()
         if self._is_chunked(dims):
             xs = x if self.strict else self._chunked()
@@ -382,14 +421,40 @@ class _Softmax:
     def values(self, target: Any, args: dict[str, Any], dims: list[int], k: int) -> fx.Node:
         """exp(top - m) / z (log_softmax: top - m - log z); for k = 1 the top is m itself."""
         keepdim = target is aten.topk.default or args.get("keepdim", False)
+        if self._reads_one_pass(dims, k):
+            _, top, lse = self.top1_lse()
+            value = self._given(top, lse)
+            return value if keepdim else emit(self.graph, aten.squeeze.dims, (value, dims))
         m, z = self.stats(dims)
         if not keepdim:
             m, z = (emit(self.graph, aten.squeeze.dims, (n, dims)) for n in (m, z))
         top = m if k == 1 else self._up(emit(self.graph, operator.getitem, (self.topk(k, args["sorted"]), 0)))
         return self._prob(top, m, z)  # k = 1: 1 / z, or NaN where the max is not finite
 
+    def _given(self, top: fx.Node, lse: fx.Node) -> fx.Node:
+        """The probability (log_softmax: log-probability) of logits `top` (f32) in rows of log-sum-exp lse."""
+        shifted = emit(self.graph, aten.sub.Tensor, (top, lse))
+        return shifted if self.is_log else emit(self.graph, aten.exp.default, (shifted,))
+
+    def gathered(self, consumer: fx.Node, dtypes: list[torch.dtype]) -> fx.Node:
+        """The probabilities softmax gives the tokens `ids` of gather(p, d, ids), rounded through `dtypes`."""
+        ids = bind(consumer)["index"]
+        if self.one_pass:
+            _, _, lse = self.top1_lse()
+        else:
+            m, z = self.stats([self.dim])
+        with self.graph.inserting_before(consumer):  # after ids: it may be computed from these rows
+            top = self._up(emit(self.graph, aten.gather.default, (self.s_in(), self.dim, ids)))
+            return self._round(self._given(top, lse) if self.one_pass else self._prob(top, m, z), dtypes)
+
     def rewrite(self, consumer: fx.Node, casts: list[torch.dtype], options: Options) -> str:
         target, args = consumer.target, bind(consumer)
+        kind = "log_softmax" if self.is_log else "softmax"
+        if target is aten.gather.default:
+            consumer.replace_all_uses_with(self.gathered(consumer, [self.out_dtype] + casts))
+            formula = "s[ids] - logsumexp(s)" if self.is_log else "exp(s[ids] - logsumexp(s))"
+            return f"{kind} -> gather along dim {self.dim}: values = {formula}" + (
+                " (one pass: top1_lse)" if self.one_pass else "")
         dims, k = self.check(consumer)
         values_out, indices_out = _outputs(consumer)
         what = []
@@ -400,6 +465,8 @@ class _Softmax:
                 node.replace_all_uses_with(indices)
             if target is aten.topk.default and not self.topk_keeps_first(k):
                 how = f"topk({self.s_in().name}, {k})"
+            elif self._reads_one_pass(dims, k):
+                how = f"top1_lse({self.s_in().name}) index, 0 where the max is not finite (one pass)"
             else:
                 how = ("first index rounding to the max probability" if self.strict
                        else f"argmax({self.s_in().name}), 0 where the max is not finite")
@@ -416,6 +483,9 @@ class _Softmax:
                                 {"dtype": dtype})
                 values = ones
                 what.append("values = ones (max_probs='ones')")
+            elif self._reads_one_pass(dims, k):
+                values = self._round(self.values(target, args, dims, k), [self.out_dtype] + casts)
+                what.append("values = " + ("top - lse" if self.is_log else "exp(top - lse)") + " (one pass)")
             else:
                 values = self._round(self.values(target, args, dims, k), [self.out_dtype] + casts)
                 what.append("values = " + ("top - max - log(sum(exp(s - max)))" if self.is_log
@@ -423,13 +493,18 @@ class _Softmax:
             assert same_shape(val(values).shape, val(values_out[0]).shape), (values, values_out)
             for node in values_out:
                 node.replace_all_uses_with(values)
-        kind = "log_softmax" if self.is_log else "softmax"
         return f"{kind} -> {op_name(target)} along dim {self.dim}: " + ("; ".join(what) or "outputs unused")
 
     def check(self, consumer: fx.Node) -> tuple[list[int], int]:
         """The consumer's reduced axes (normalised) and k; refuses what the rule does not cover."""
         target, args = consumer.target, bind(consumer)
         op = op_name(target)
+        if target is aten.gather.default:
+            if args["dim"] % self.ndim != self.dim:
+                raise _Refuse(f"gather along dim {args['dim'] % self.ndim}, the softmax is over dim {self.dim}")
+            if is_written_in_place(self.s):  # the new nodes read s at the gather, after its ids exist
+                raise _Refuse("the softmax input is written in place; it is read again at the gather")
+            return [self.dim], 1
         if target in _SMALLEST or (target is aten.topk.default and not args["largest"]):
             raise _Refuse(f"{op} takes the smallest probabilities; they underflow to ties at 0, "
                           "so the order of the softmax input does not reproduce the original's choice")
@@ -465,7 +540,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 def _outputs(consumer: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     """(nodes holding the values, nodes holding the indices) that have users."""
-    if consumer.target in (aten.max.default, aten.amax.default):
+    if consumer.target in (aten.max.default, aten.amax.default, aten.gather.default):
         return ([consumer] if consumer.users else []), []
     if consumer.target is aten.argmax.default:
         return [], ([consumer] if consumer.users else [])

@@ -1,0 +1,67 @@
+"""The Triton kernels (specpass/kernels/triton_*.py), on a GPU: values against torch on the
+upcast logits, ties, non-finite rows, and use inside a compiled, CUDA-graphed function. Skipped
+without CUDA (CI has none; the ops' CPU implementations are tested with the passes that emit
+them): run through the device machine."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels need a CUDA GPU and Triton")
+
+SHAPES = [(1, 151936), (3, 32000), (16, 128256), (64, 5000), (256, 151936), (1280, 32000), (5, 100)]
+
+
+def _top1():
+    import specpass.kernels  # noqa: F401  registers torch.ops.specpass.top1_lse
+
+    return torch.ops.specpass.top1_lse
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,vocab", SHAPES)
+def test_index_max_and_logsumexp_match_torch(rows, vocab, dtype):
+    g = torch.Generator(device="cuda").manual_seed(rows * vocab)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 4).to(dtype)
+    index, top, lse = _top1()(logits)
+    x = logits.float()
+    assert torch.equal(index, x.argmax(-1))
+    assert torch.equal(top, x.amax(-1))
+    torch.testing.assert_close(lse, torch.logsumexp(x, -1), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows,vocab", SHAPES)
+def test_ties_take_the_first_index_across_chunks(rows, vocab):
+    logits = torch.zeros(rows, vocab, device="cuda", dtype=torch.bfloat16)
+    hot = torch.tensor([vocab - 1, vocab // 2, vocab // 3], device="cuda")
+    logits[:, hot] = 3.0  # three equal maxima, the first in the middle of the row
+    index, _, _ = _top1()(logits)
+    assert torch.equal(index, logits.float().argmax(-1)) and (index == vocab // 3).all()
+
+
+def test_rows_with_infinities_and_nan():
+    logits = torch.randn(4, 40000, device="cuda")
+    logits[0] = float("-inf")  # all -inf: index 0, max -inf, lse -inf
+    logits[1, 7] = float("inf")
+    logits[2, 30000] = float("nan")  # NaN counts as +inf
+    index, top, lse = _top1()(logits)
+    assert index.tolist()[:3] == [0, 7, 30000]
+    assert top[0] == float("-inf") and lse[0] == float("-inf")
+    assert top[1] == float("inf") and top[2] == float("inf") and lse[1:3].isnan().all()
+    assert torch.equal(index[3], logits[3].argmax()) and torch.isfinite(lse[3])
+    for got, want in zip(_top1()(logits), _top1()(logits.cpu()), strict=True):  # the CPU implementation
+        torch.testing.assert_close(got.cpu(), want, rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
+def test_composes_with_inductor_and_cuda_graphs():
+    top1_lse = _top1()
+
+    def sample(logits):
+        index, top, lse = top1_lse(logits)
+        return index, torch.exp(top - lse)
+
+    logits = torch.randn(8, 32000, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(sample, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, record, replay
+        index, p = compiled(logits)
+    assert torch.equal(index, logits.float().argmax(-1))
+    torch.testing.assert_close(p, torch.softmax(logits.float(), -1).amax(-1), rtol=1e-5, atol=1e-7)
