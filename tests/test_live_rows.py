@@ -815,3 +815,22 @@ def test_range_of_a_range_of_a_cache_just_written(inner, outer):
     got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(x, pos)
     assert not result.report.errors and result.report.rewrites, str(result.report)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_negative_per_request_row_of_one_request_through_a_flat_view():
+    """B = 1 and `live - T` (negative): one request's rows become flat ids, wrapped as x[b, -1]
+    wraps (index_select does not). Found by the program generator."""
+    w = torch.randn(4, 4)
+
+    def step(x, live):
+        h = F.linear(x.reshape(2, 4), w).reshape(1, 2, 4)
+        return h[torch.arange(1), live - 2]
+
+    _exact_and_ideal(step, torch.randn(1, 2, 4), torch.tensor([0]))
+
+
+def test_expand_as_reads_the_other_tensor_for_its_shape_only():
+    """F.normalize is x / norm(x).clamp_min(eps).expand_as(x): expanded to the gathered rows.
+    Found by the program generator."""
+    w = torch.randn(V, H)
+    _exact_and_ideal(lambda x: F.linear(F.normalize(x, dim=-1), w)[:, -1], torch.randn(B, T, H))

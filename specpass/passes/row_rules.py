@@ -400,7 +400,10 @@ def _whole_axis(node: fx.Node) -> bool:
         to_the_end(end) or known(end >= size))
 
 
-@rule(aten.expand.default)
+EXPANDS = {aten.expand.default, aten.expand_as.default}  # expand_as reads its second operand for its shape only
+
+
+@rule(*EXPANDS)
 def _expand(node: fx.Node, spec: Rows, options: Options) -> Rule:
     return Rule([same_axes(node.args[0], rank(node), expandable=True)], needs_carrier=False)
 

@@ -17,7 +17,7 @@ from specpass.passes.live_rows.gathers import Candidate
 from specpass.passes.live_rows.liveness import FULL, Liveness, compose
 from specpass.passes.live_rows.program import Program
 from specpass.passes.live_rows.rows import Rows
-from specpass.passes.row_rules import RESHAPES, Keep, out_shape_of, shape_of
+from specpass.passes.row_rules import EXPANDS, RESHAPES, Keep, out_shape_of, shape_of
 
 aten = torch.ops.aten
 
@@ -54,9 +54,9 @@ def _rewrite(prog: Program, node: fx.Node, spec: Rows, operands: dict[fx.Node, f
     """Turn `node` in place into its gathered version (every user of it reads gathered rows)."""
     want = [spec.gathered_shape(list(v.shape)) for v in tree_leaves(val(node)) if isinstance(v, torch.Tensor)]
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: operands.get(a, a))
-    if node.target in RESHAPES or node.target is aten.expand.default or compose(node, spec) is not None:
+    if node.target in RESHAPES or node.target in EXPANDS or compose(node, spec) is not None:
         # a view: its operand is already gathered (a composed range: by the range of the range)
-        node.target = aten.expand.default if node.target is aten.expand.default else aten.reshape.default
+        node.target = aten.expand.default if node.target in EXPANDS else aten.reshape.default
         args, kwargs = (args[0], want[0]), {}
     elif node.target is aten.scaled_dot_product_attention.default and bind(node)["is_causal"] \
             and len(shape_of(node.args[0])) - 2 in spec.axes:

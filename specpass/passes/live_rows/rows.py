@@ -122,8 +122,9 @@ class PerBatch:
     def normalize(self, prog: Program, shape: list[int]) -> Rows | None:
         if known(shape[self.axis] == 1) and known(self.rows == 1):
             return None
-        if known(shape[self.batch] == 1):
-            return Flat((self.axis,), prog.index_op(aten.reshape.default, self.index, [-1]))
+        if known(shape[self.batch] == 1):  # flat ids are not wrapped as x[b, -1] is: wrap them first
+            rows = prog.index_op(aten.remainder.Scalar, self.index, shape[self.axis])
+            return Flat((self.axis,), prog.index_op(aten.reshape.default, rows, [-1]))
         return self
 
     def as_flat(self, prog: Program, axes: list[int], shape: list[int], device: torch.device) -> Flat:
