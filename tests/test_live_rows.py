@@ -834,3 +834,22 @@ def test_expand_as_reads_the_other_tensor_for_its_shape_only():
     Found by the program generator."""
     w = torch.randn(V, H)
     _exact_and_ideal(lambda x: F.linear(F.normalize(x, dim=-1), w)[:, -1], torch.randn(B, T, H))
+
+
+@pytest.mark.parametrize("view", ["per_token_operand", "unsqueeze", "reshape"])
+def test_an_empty_selection_is_no_row_gather(view):
+    """T = 1: `h[:, :-1]` (a shift's slice) keeps no row: nothing to move, nothing to fail on.
+    Found by the program generator."""
+    w = torch.randn(4, 4)
+
+    def step(x, pos):
+        y = F.linear(x, w)
+        h = {"per_token_operand": lambda: y * pos[:, None],
+             "unsqueeze": lambda: y.unsqueeze(2).squeeze(2),
+             "reshape": lambda: y.reshape(2, 4).reshape(2, 1, 4)}[view]()
+        return h[:, :-1]
+
+    args = torch.randn(2, 1, 4), torch.arange(1)
+    result = specpass.rewrite(specpass.capture(step, *args))
+    assert not result.report.errors and not result.report.of("live_rows"), str(result.report)
+    torch.testing.assert_close(torch.compile(step, backend=specpass.backend(handoff="eager"))(*args), step(*args))

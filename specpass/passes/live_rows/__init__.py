@@ -29,7 +29,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from specpass.graph import SCALAR_READS, val
+from specpass.graph import SCALAR_READS, known, val
 from specpass.options import Options
 from specpass.passes.live_rows.emission import emit_live_rows
 from specpass.passes.live_rows.gathers import Candidate, read_gather
@@ -90,8 +90,8 @@ def _selects_rows(gather: fx.Node, candidate: Candidate) -> bool:
     tokens) — of a value computed in the graph (a weight or a view of one, like one expert of a
     stacked MoE weight, has nothing above it to move past), and read as a tensor (one read into a
     Python number, `counts[e].item()` for a split size, is control data, no row)."""
-    if all(user.target in SCALAR_READS for user in gather.users):
-        return False
+    if all(user.target in SCALAR_READS for user in gather.users) or known(candidate.spec.rows == 0):
+        return False  # (an empty selection, `h[:, :-1]` of one token, has no rows to run on either)
     source = shape_of(candidate.source)
     feature = len(source) - 1 if len(source) >= 3 else None
     root = candidate.source
