@@ -122,3 +122,23 @@ specpass: 2 rewrite(s), 1 left alone; graph matmul FLOPs 180K -> 180K
         self.assertIsInstance(report, Report)
         self.assertEqual(report.rewrites, [])
         self.assertTrue(str(report).startswith("specpass: 0 rewrite(s)"))
+
+
+def test_report_formats_any_size():
+    """A constant token reorder once gave the re-propagated graph fresh symbolic sizes, and the
+    report could not format them (`SymFloat.__format__`); a dynamic capture has symbolic sizes by
+    design. Both print."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.head = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(12, 8))
+
+        def forward(self, x):
+            unused = torch.nn.functional.linear(x, self.w)  # noqa: F841
+            return torch.softmax(torch.nn.functional.linear(x[:, [1, 0, 2, 3]], self.head), -1).max(-1).indices
+
+    static = str(specpass.explain(M(), torch.randn(1, 4, 8)))
+    assert "graph matmul FLOPs 1.28K -> 768" in static, static
+    x = torch.randn(3, 4, 8)
+    dynamic = str(specpass.rewrite(specpass.capture(M(), x, dynamic=True)).report)
+    assert "rewrote softmax" in dynamic and "*s" in dynamic, dynamic  # FLOPs as an expression of the sizes
