@@ -4,6 +4,7 @@
     torch.compile(draft_step, backend="specpass")               # entry point
     torch.compile(draft_step, backend=specpass.backend(q_slice=False))
     print(specpass.explain(draft_step, *args))                  # what the passes would do
+    program = specpass.export(step_module, args)                # torch.export, rewritten
 """
 
 import sys
@@ -11,6 +12,7 @@ import types
 
 from specpass.backend import SpecpassWarning, backend, default_backend
 from specpass.capture import CaptureError, capture
+from specpass.export import export
 from specpass.options import Options
 from specpass.passes.row_rules import register_row_rule
 from specpass.pipeline import PASSES, RewriteResult, explain, rewrite
@@ -27,6 +29,7 @@ __all__ = [
     "backend",
     "capture",
     "explain",
+    "export",
     "register_row_rule",
     "rewrite",
 ]
