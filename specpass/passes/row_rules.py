@@ -10,8 +10,8 @@ each output axis (`Rule`), or raises `Stop(reason)`. Supporting a new op is one 
 
 Most ops need no rule of their own; they are classified from torch's own metadata, in this order:
 1. a registered rule (`@rule`): the ops whose axis mapping is structural — linear/matmul/einsum,
-   embedding, index/gather/scatter, attention, cat/stack, norms, softmax, topk/sort, scans — and
-   the custom ops an engine declares with `register_row_rule` (bottom of this file);
+   embedding, index/gather/scatter, attention, cat/stack, norms, softmax, topk/sort, scans,
+   collectives — and the custom ops an engine declares with `register_row_rule` (bottom of this file);
 2. `torch.Tag.reduction` with the schema's `dim` / `keepdim` (sum, std, nansum, aminmax, ...);
 3. `torch.Tag.pointwise` (broadcasting elementwise ops);
 4. an op with a decomposition (CompositeImplicitAutograd, or torch._decomp's table — dropout,
@@ -364,8 +364,7 @@ def _reads(node: fx.Node, inputs: set[fx.Node]) -> bool:
 
 
 @rule(*SAME_VALUES, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
-      aten.empty_like.default, torch.ops._c10d_functional.all_reduce.default,
-      torch.ops._c10d_functional.wait_tensor.default)
+      aten.empty_like.default, torch.ops._c10d_functional.all_reduce.default)
 def _same_shape(node: fx.Node, spec: Rows, options: Options) -> Rule:
     """One tensor operand, the same axes; any other tensor argument (type_as's) only lends a dtype."""
     return Rule([same_axes(node.args[0], rank(node))])
@@ -547,6 +546,40 @@ def _attention(node: fx.Node, spec: Rows, options: Options) -> Rule:
     if isinstance(mask, fx.Node):
         ops.append(Operand(mask, batch + [query, None], r, True))
     return Rule(ops)
+
+
+# ----------------------------------------------------------------------------- collectives
+# A functional collective combines the same tensor of every rank of its group: element by element
+# (all_reduce, with the same-shape ops above), or in blocks along axis 0 (all_gather_into_tensor
+# concatenates the ranks' tensors, reduce_scatter_tensor sums them and keeps this rank's block).
+# Each output row is then made of the same row of every rank, so the collective commutes with a
+# gather of rows that every rank selects alike: SPMD, as in a tensor-parallel step, where every rank
+# runs the same graph on the same inputs. Along axis 0 of a block collective the rows are other
+# ranks' rows, so a selection there is refused. The in-place spellings (`dist.all_reduce(x)`) trace
+# to these plus a `copy_` back into `x`, a write that stays on every row.
+
+_c10d = torch.ops._c10d_functional
+
+
+@rule(_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default)
+def _blockwise_collective(node: fx.Node, spec: Rows, options: Options) -> Rule:
+    if 0 in spec.axes:
+        verb = "gathers" if node.target is _c10d.all_gather_into_tensor.default else "scatters"
+        axis = "token" if 0 in spec.row_axes else "request"
+        raise Stop(f"{op_name(node.target)} {verb} along axis 0 across ranks, the selection's {axis} axis: "
+                   "the rows it picks there are not only this rank's")
+    return Rule([same_axes(node.args[0], rank(node))])
+
+
+@rule(_c10d.wait_tensor.default)
+def _wait(node: fx.Node, spec: Rows, options: Options) -> Rule:
+    """A wait moves only together with the collective right before it: a gather between them would
+    read the collective's result before it is complete."""
+    collective = node.args[0]
+    if collective is not node.prev or len(collective.users) > 1:
+        raise Stop(f"{node.name} does not directly follow its collective {collective.name} as its only user")
+    rule_for(collective, spec, options)  # Stop: the collective does not move, so neither does its wait
+    return Rule([same_axes(collective, rank(node))])
 
 
 # ----------------------------------------------------------------------------- custom ops
