@@ -52,6 +52,30 @@ def test_rows_with_infinities_and_nan():
         torch.testing.assert_close(got.cpu(), want, rtol=2e-6, atol=2e-6, equal_nan=True)
 
 
+@pytest.mark.parametrize("config", [(1, 8, 1), (4, 8, 3), (2, 4, 7), (2, 16, 1), (4, 16, 2), (2, 4, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_tile_and_split_against_the_cpu_implementation(config, dtype):
+    """Tile shapes and splits, forced (config: E, warps, splits), on rows that reach each path: a
+    tie across lanes of one step and across steps, the maximum in the masked tail, all -inf, +inf
+    and NaN in the body and in the tail."""
+    from specpass.kernels import triton_top1
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    logits = (torch.randn(9, 40007, device="cuda", generator=g) * 4).to(dtype)  # bf16: ties at the max
+    logits[1, [3, 900, 4096 + 3]] = 99.0  # three lanes and steps holding the maximum
+    logits[2, -1] = 99.0  # in the tail
+    logits[3] = float("-inf")
+    logits[4, [20000, 30000]] = float("inf")
+    logits[5, 40000] = float("nan")
+    logits[6, [100, 30000]] = float("nan")
+    logits[6, 200] = float("inf")
+    logits[7, :20000] = float("-inf")
+    got = triton_top1.top1_lse(logits, config)
+    want = _top1()(logits.cpu())
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    torch.testing.assert_close(got[2].cpu(), want[2], rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
 def test_composes_with_inductor_and_cuda_graphs():
     top1_lse = _top1()
 

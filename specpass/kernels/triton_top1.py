@@ -1,11 +1,20 @@
 """The CUDA implementation of `specpass::top1_lse` (kernels/__init__.py): one pass over each row.
 
-Each row is cut into `splits` chunks, one program each (enough programs to fill the GPU when
-there are few rows), and a second, tiny kernel combines the chunks: m = max(m_c), z = sum(z_c *
-exp(m_c - m)), the index from the first chunk holding m — the first index on ties, as
-torch.argmax. A row of one chunk is finished by the first kernel. Within a program each lane
-keeps its own running max, first index and sum, with one exp per element (the bound for bf16
-logits is the exp and compare throughput as much as memory).
+A program reads a chunk of one row, a tile of E x T elements at a step: each thread holds E
+vectors of VEC adjacent elements (16 bytes, so every load is 16 bytes wide), T elements apart.
+A thread's E x VEC elements of a tile are one "lane" group: the lane keeps a running max m,
+the first index j of it and z = sum(exp(x - m)). Per element the work is a max, a subtract,
+a multiply, an exp2 and an add, with a compare, a select and a min for the index; the rescale
+of z is once per lane per step (E x VEC elements). The next tile is loaded while this one is
+folded. At the end one reduction over the lanes merges (m, z, j): the max, the sum rescaled to
+it, and the smallest j among the lanes holding it, the first index on ties, as torch.argmax.
+NaN and +inf turn z into NaN (the max itself skips NaN); such a chunk is scanned again for its
+first NaN or +inf, which is its index (both count as +inf, and the max is +inf).
+
+Few rows (fewer than the GPU's SMs): each row is cut into `splits` chunks, one program each,
+enough to fill the GPU, and a second, tiny kernel combines them: m = max(m_c), z = sum(z_c *
+exp(m_c - m)), the index from the first chunk holding m. Otherwise one launch writes the
+outputs. Tiles and splits come from `config_for`, tuned on an H100 (docs/results.md).
 
 Triton is imported here only, on the first call on a CUDA tensor.
 """
@@ -19,42 +28,75 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # elements of a row read per loop step, per program
-MIN_CHUNK = 2 * BLOCK  # a shorter chunk costs more to combine than it saves
-LONG_CHUNK = 2**16  # longer chunks leave too few programs to hide memory latency
+
+@triton.jit
+def _lanes(v):
+    """A lane's value beside each of its elements of the tile: [LANES] -> [LANES, 1, 1]."""
+    return v[:, None, None]
+
+
+@triton.jit
+def _step(x, m, j, z, jj, offs, BLOCK: tl.constexpr):
+    """Fold one tile (fp32, first column jj) into the lanes' (m, j, z)."""
+    gm = tl.max(tl.max(x, 2), 1)  # skips NaN: a NaN shows up in z
+    pos = tl.min(tl.min(tl.where(x == _lanes(gm), offs, BLOCK), 2), 1)  # the first of the lane's max
+    j = tl.where(gm > m, jj + pos, j)  # strictly bigger: a lane keeps its first index
+    m_new = tl.maximum(m, gm)
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane of -inf alone adds 0, not NaN
+    s = tl.sum(tl.sum(tl.exp2((x - _lanes(ref)) * 1.4426950408889634), 2), 1)
+    z = z * tl.exp2((m - ref) * 1.4426950408889634) + s
+    return m_new, j, z
+
+
+@triton.jit
+def _merge(m1, z1, j1, m2, z2, j2):
+    """Two lanes' (max, sum(exp(x - max)), first index of the max) as one."""
+    m = tl.maximum(m1, m2)
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    z = z1 * tl.exp2((m1 - ref) * 1.4426950408889634) + z2 * tl.exp2((m2 - ref) * 1.4426950408889634)
+    j = tl.where(m1 > m2, j1, tl.where(m2 > m1, j2, tl.minimum(j1, j2)))
+    return m, z, j
 
 
 @triton.jit
 def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, splits,
-                  BLOCK: tl.constexpr, FINAL: tl.constexpr):
+                  E: tl.constexpr, T: tl.constexpr, VEC: tl.constexpr, FINAL: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
+    base = x_ptr + row.to(tl.int64) * stride  # the rest of the index math is int32
     start = part * chunk
     end = tl.minimum(start + chunk, V)
-    offsets = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: running max, its first index, and
-    i = tl.zeros([BLOCK], tl.int32)  # sum(exp(x - max))
-    z = tl.zeros([BLOCK], tl.float32)
-    for j in range(start, end, BLOCK):
-        cols = j + offsets
-        x = tl.load(x_ptr + row * stride + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
-        x = tl.where(x != x, float("inf"), x)  # NaN -> +inf
-        bigger = x > m
-        # one exp per element: exp(-|x - m|) rescales the sum when x is the new max, else adds to it;
-        # a lane that has seen only -inf (NaN difference) adds nothing
-        e = tl.where(x == float("-inf"), 0.0, tl.exp(-tl.abs(x - m)))
-        z = tl.where(bigger, z * e + 1.0, z + e)
-        i = tl.where(bigger, cols, i)  # strictly bigger: a lane keeps its first index
-        m = tl.where(bigger, x, m)
-    top = tl.max(m, 0)
-    # the first index among the lanes holding the maximum
-    index = tl.min(tl.where(m == top, i, V), 0).to(tl.int64)
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - top)), 0)
+    BLOCK: tl.constexpr = E * T
+    LANES: tl.constexpr = T // VEC  # one per thread
+    offs = (tl.arange(0, LANES)[:, None, None] * VEC + tl.arange(0, E)[None, :, None] * T
+            + tl.arange(0, VEC)[None, None, :])
+    m = tl.full([LANES], float("-inf"), tl.float32)
+    j = tl.zeros([LANES], tl.int32) + start  # a row of -inf alone: its first index
+    z = tl.zeros([LANES], tl.float32)
+    full_end = start + (end - start) // BLOCK * BLOCK
+    raw = tl.load(base + start + offs, mask=start < full_end, other=0.0)
+    for jj in range(start, full_end, BLOCK):  # whole tiles, each loaded one step ahead
+        raw_next = tl.load(base + jj + BLOCK + offs, mask=jj + BLOCK < full_end, other=0.0)
+        m, j, z = _step(raw.to(tl.float32), m, j, z, jj, offs, BLOCK)
+        raw = raw_next
+    if full_end < end:  # the last, partial tile
+        cols = full_end + offs
+        x = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
+        m, j, z = _step(x, m, j, z, full_end, offs, BLOCK)
+    top, total, index = tl.reduce((m, z, j), 0, _merge)
+    if total != total:  # a NaN or +inf in the chunk: the first of them (both count as +inf)
+        index = end
+        for jj in range(start, end, BLOCK):
+            cols = jj + offs
+            x = tl.load(base + cols, mask=cols < end, other=0.0).to(tl.float32)
+            hit = (x != x) | (x == float("inf"))
+            index = tl.minimum(index, tl.min(tl.min(tl.min(tl.where(hit, cols, end), 2), 1), 0))
+    top = tl.where(total == total, top, float("inf"))
     if FINAL:
-        tl.store(out_i_ptr + row, index)
+        tl.store(out_i_ptr + row, index.to(tl.int64))
         tl.store(out_m_ptr + row, top)
-        tl.store(out_z_ptr + row, top + tl.log(total))
+        tl.store(out_z_ptr + row, top + tl.log(total))  # NaN where the max is +inf
     else:
-        tl.store(out_i_ptr + row * splits + part, index)
+        tl.store(out_i_ptr + row * splits + part, index.to(tl.int64))
         tl.store(out_m_ptr + row * splits + part, top)
         tl.store(out_z_ptr + row * splits + part, total)
 
@@ -77,37 +119,59 @@ def _combine_kernel(part_i_ptr, part_m_ptr, part_z_ptr, splits, out_i_ptr, out_m
 
 
 @functools.cache
-def _programs_wanted(device_index: int) -> int:
-    return 8 * torch.cuda.get_device_properties(device_index).multi_processor_count
+def _sms(device_index: int) -> int:
+    if not torch.cuda.is_available():  # the Triton interpreter (TRITON_INTERPRET=1), on CPU tensors
+        return 132
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def splits_for(rows: int, vocab: int, device_index: int = 0) -> int:
-    """Chunks per row: enough programs to fill the GPU (8 per SM), chunks no longer than
-    LONG_CHUNK and no shorter than MIN_CHUNK. (Tuned on an H100: docs/results.md.)"""
-    wanted = max(math.ceil(_programs_wanted(device_index) / max(rows, 1)), math.ceil(vocab / LONG_CHUNK))
-    return max(1, min(wanted, vocab // MIN_CHUNK))
+PROGRAM_BYTES = 8192  # split rows: a chunk of at least this much, up to 8 programs per SM
 
 
-def top1_lse(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def config_for(rows: int, vocab: int, itemsize: int, sms: int = 132) -> tuple[int, int, int]:
+    """(E, num_warps, splits) for rows x vocab logits of `itemsize` bytes (an H100 sweep,
+    docs/results.md): at least as many rows as SMs, a row per program, in tiles of 8192 elements
+    over 16 warps (4-byte tiles of 2048 elements over 4 warps from 8 rows per SM, 16-bit
+    logits only); fewer rows, 4 KB tiles over 4 warps and each row cut into chunks of
+    PROGRAM_BYTES or more, up to 8 programs per SM."""
+    vec = max(1, 16 // itemsize)
+    if rows >= sms:
+        if rows >= 8 * sms and itemsize <= 2:
+            return 2, 4, 1
+        return max(1, 8192 // (vec * 32 * 16)), 16, 1
+    E, warps = 2, 4
+    tile = E * vec * 32 * warps
+    programs = min(8 * sms, max(1, rows * vocab * itemsize // PROGRAM_BYTES))
+    return E, warps, max(1, min(math.ceil(programs / rows), vocab // tile))
+
+
+def top1_lse(logits: torch.Tensor, config: tuple[int, ...] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(index, top, lse) of each row; `config` = (E, num_warps, splits[, num_stages]) overrides
+    config_for (for tuning)."""
     R, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     index = logits.new_empty(R, dtype=torch.int64)
     top = logits.new_empty(R, dtype=torch.float32)
     lse = logits.new_empty(R, dtype=torch.float32)
-    splits = splits_for(R, V, logits.device.index or 0)
-    chunk = math.ceil(V / splits / BLOCK) * BLOCK
-    splits = math.ceil(V / chunk)
-    warps = 4 if R * splits >= _programs_wanted(logits.device.index or 0) else 8
+    if R == 0:
+        return index, top, lse
+    sms = _sms(logits.device.index or 0)
+    E, warps, splits, *stages = config or config_for(R, V, logits.element_size(), sms)
+    vec = max(1, 16 // logits.element_size())
+    T = vec * 32 * warps
+    chunk = math.ceil(V / max(splits, 1) / (E * T)) * E * T
+    splits = math.ceil(V / chunk) if V else 1
+    consts = dict(E=E, T=T, VEC=vec, num_warps=warps, **({"num_stages": stages[0]} if stages else {}))
     if splits == 1:
-        _chunk_kernel[(R, 1)](logits, logits.stride(0), V, chunk, index, top, lse, 1,
-                                           BLOCK=BLOCK, FINAL=True, num_warps=warps)
+        _chunk_kernel[(R, 1)](logits, logits.stride(0), V, chunk, index, top, lse, 1, FINAL=True, **consts)
         return index, top, lse
     part_i = logits.new_empty(R, splits, dtype=torch.int64)
     part_m = logits.new_empty(R, splits, dtype=torch.float32)
     part_z = logits.new_empty(R, splits, dtype=torch.float32)
     _chunk_kernel[(R, splits)](logits, logits.stride(0), V, chunk, part_i, part_m, part_z, splits,
-                                            BLOCK=BLOCK, FINAL=False, num_warps=warps)
+                               FINAL=False, **consts)
     _combine_kernel[(R,)](part_i, part_m, part_z, splits, index, top, lse,
-                                       BLOCK_S=triton.next_power_of_2(splits))
+                          BLOCK_S=triton.next_power_of_2(splits))
     return index, top, lse
