@@ -4,8 +4,8 @@ IR: undecomposed pre-dispatch ATen, traced with `make_fx(pre_dispatch=True)` ins
 own fake mode, with the sizes Dynamo gave the inputs: static, or symbolic (`dynamic=True`,
 `mark_dynamic`; the symbolic sizes are graph inputs or `sym_size` of one). It keeps `aten.linear`, `aten.softmax.int`,
 `aten.scaled_dot_product_attention`, `aten.select.int`, and KV writes as in-place ops
-(`index_copy_`, `index_put_`, `copy_` into a slice) on placeholder buffers, in program order.
-Every tensor-valued node carries a fake tensor in `meta["val"]`. Placeholders are named after
+(`index_copy_`, `index_put_`, `copy_` into a slice) on placeholder buffers, in program order
+(the pipeline then makes in-place ops on the graph's own unshared tensors functional). Every tensor-valued node carries a fake tensor in `meta["val"]`. Placeholders are named after
 Dynamo's graph inputs (`x`, `q_proj_weight`, `k_cache`) so graphs and reports are readable.
 """
 

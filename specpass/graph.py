@@ -218,3 +218,77 @@ def is_written_in_place(node: fx.Node) -> bool:
     """Does any in-place op of the graph write the node's storage (the node or a view of it)?"""
     s = storage(node)
     return s is not None and any(s in written_storages(n) for n in node.graph.nodes if is_mutation(n))
+
+
+# ----------------------------------------------------------------------------- local writes
+# An in-place op on a tensor the graph made itself, which no view shares, is only a way of
+# naming a new value: `h.add_(w)` is `h2 = h + w` with every later read of h reading h2. Made
+# functional, it is an op the row rules know; written in place, every pass must keep it on
+# every row. Writes to the graph's inputs (KV caches) and to views stay in place: their order
+# against reads is semantics.
+
+
+def functional_variant(node: fx.Node) -> Any:
+    """aten.foo.overload for an in-place aten.foo_.overload that writes only its first argument
+    (torch's naming), or None."""
+    if not is_mutation(node) or not node.target.__name__.split(".")[0].endswith("_"):
+        return None
+    written = [a for a in node.target._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if [a.name for a in written] != [node.target._schema.arguments[0].name]:
+        return None
+    packet = getattr(torch.ops.aten, node.target.__name__.split(".")[0][:-1], None)
+    functional = getattr(packet, node.target._overloadname, None) if packet is not None else None
+    return None if functional is None or functional._schema.is_mutable else functional
+
+
+def make_local_writes_functional(gm: fx.GraphModule) -> None:
+    """Each in-place op on a local tensor (see above) becomes its functional op, where that keeps
+    the tensor's shape and dtype; later reads read the new value. Other writes are left alone."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    holders: dict[StorageWeakRef, list[fx.Node]] = {}  # storage -> nodes whose value lives in it
+    for n in graph.nodes:
+        s = storage(n)
+        if s is not None:
+            holders.setdefault(s, []).append(n)
+    for base, *writes in holders.values():
+        if base.op != "call_function" or is_mutation(base) or not writes \
+                or not all(_local_write(w, [base, *writes][:i + 1]) for i, w in enumerate(writes)):
+            continue  # an input, a view, or a write that is not one of base's own
+        values = _functional_values(graph, base, writes)
+        if values is None:
+            continue
+        order.update(zip(values[1:], map(order.get, writes)))
+        group = {base, *writes}
+        for node in list(graph.nodes):  # a read of the tensor reads the value of the last write before it
+            if node in group or node in values:
+                continue
+            latest = values[sum(order[w] < order.get(node, len(order)) for w in writes)]
+            node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: latest if a in group else a)
+        for write in reversed(writes):
+            graph.erase_node(write)
+    gm.recompile()
+
+
+def _functional_values(graph: fx.Graph, base: fx.Node, writes: list[fx.Node]) -> list[fx.Node] | None:
+    """[base, the value after each write], each functional node inserted at its write; None (and
+    nothing inserted) where one would not keep base's shape and dtype (torch would promote or
+    broadcast) or cannot run on the fake values."""
+    values = [base]
+    try:
+        for write in writes:
+            with graph.inserting_before(write):
+                values.append(graph.call_function(functional_variant(write), (values[-1], *write.args[1:]),
+                                                  write.kwargs))
+            set_val(values[-1])
+        if all(same_shape(val(v).shape, val(base).shape) and val(v).dtype == val(base).dtype for v in values[1:]):
+            return values
+    except Exception:
+        pass
+    for new in reversed(values[1:]):
+        graph.erase_node(new)
+    return None
+
+
+def _local_write(node: fx.Node, before: list[fx.Node]) -> bool:
+    return functional_variant(node) is not None and node.args[0] in before

@@ -21,7 +21,8 @@ from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from specpass.capture import capture
-from specpass.graph import SCALAR_READS, is_impure, is_mutation, same_shape, storage, written_storages
+from specpass.graph import (SCALAR_READS, is_impure, is_mutation, make_local_writes_functional, same_shape, storage,
+                            written_storages)
 from specpass.options import Options
 from specpass.passes import argmax, live_rows
 from specpass.report import Finding, Report, graph_matmul_flops
@@ -54,6 +55,7 @@ def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
 def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
     report = Report()
     current = _copy(gm)
+    make_local_writes_functional(current)  # the IR: in place only what another tensor sees
     _clean(current)
     for name, run in PASSES:
         if not getattr(options, name):

@@ -142,3 +142,51 @@ def test_report_formats_any_size():
     x = torch.randn(3, 4, 8)
     dynamic = str(specpass.rewrite(specpass.capture(M(), x, dynamic=True)).report)
     assert "rewrote softmax" in dynamic and "*s" in dynamic, dynamic  # FLOPs as an expression of the sizes
+
+
+# --- local writes: an in-place op on the graph's own unshared tensor is a new value
+
+W = torch.randn(8, 8)
+
+
+def _in_place_ops(gm):
+    return sorted(n.target.__name__ for n in gm.graph.nodes
+                  if n.op == "call_function" and n.target._schema.is_mutable)
+
+
+def _rewritten_and_checked(step, *args):
+    """The step rewritten (its in-place ops listed), and compiled with specpass equal to eager."""
+    result = specpass.rewrite(specpass.capture(step, *args))
+    torch._dynamo.reset()
+    got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(*args)
+    torch.testing.assert_close(got, step(*args))
+    return result
+
+
+def test_a_write_to_a_local_tensor_becomes_a_new_value():
+    def step(x):
+        h = x @ W
+        before = h * 2  # reads h before the writes
+        h.add_(1.0)
+        h.mul_(before)  # reads it after the first
+        return (h + before)[:, -1]
+
+    result = _rewritten_and_checked(step, torch.randn(2, 5, 8))
+    assert _in_place_ops(result.graph_module) == []
+    assert len(result.report.rewrites) == 1, str(result.report)  # the matmul runs on the last row
+    assert result.report.matmul_flops[1] * 5 == result.report.matmul_flops[0]
+
+
+def test_writes_through_views_to_inputs_and_with_promotion_stay():
+    cache = torch.zeros(2, 5, 8)
+
+    def step(x):
+        h = x @ W
+        h[..., :1].mul_(2.0)  # a view shares h: the write stays, and h stays whole
+        low = (x @ W).bfloat16()
+        low.add_(W[0])  # add would promote to float32: add_ keeps bfloat16
+        cache.index_copy_(1, torch.arange(5), h)  # a graph input
+        return h[:, -1], low[:, -1]
+
+    result = _rewritten_and_checked(step, torch.randn(2, 5, 8))
+    assert _in_place_ops(result.graph_module) == ["add_.Tensor", "index_copy_.default", "mul_.Tensor"]

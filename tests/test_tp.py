@@ -222,6 +222,7 @@ def in_place(x, select):
     (scatter_tokens, last, [("reduce_scatter_tensor", [B, 1, H])]),  # each rank's own last token
     (gather_requests, last, [("all_gather_into_tensor", [2 * B, 1, H])]),
     (dtensor_reduce, per_request, [("all_reduce", [B, 1, H])]),
+    (in_place, per_request, [("all_reduce", [B, 1, H])]),  # dist.all_reduce(y): y a new value, not a write
     (dtensor_gather_vocab, last, [("all_gather_into_tensor", [2 * B, 1, H])]),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_collective_carries_the_selected_rows(group, step, select, shapes):
@@ -239,7 +240,6 @@ def test_collective_carries_the_selected_rows(group, step, select, shapes):
     (scatter_hidden, per_request, "reduce_scatter_tensor scatters along axis 0 across ranks, the selection's "
                                   "request axis"),
     (gather_vocab_funcol, per_request, "chunk mixes rows along axis 0"),  # funcol's chunk + cat along the requests
-    (in_place, per_request, "copy_: an in-place copy_"),  # dist.all_reduce(y) writes y back in place
     (late_wait, per_request, "wait_tensor does not directly follow its collective all_reduce as its only user"),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_collective_along_a_selected_axis_is_left_alone(group, step, select, reason):

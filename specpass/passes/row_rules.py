@@ -32,7 +32,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from specpass.graph import bind, fake_mode, is_mutation, known, op_name, same_shape, size_key, to_the_end, val
+from specpass.graph import (bind, fake_mode, is_mutation, known, make_local_writes_functional, op_name, same_shape,
+                            size_key, to_the_end, val)
 from specpass.options import Options
 
 if TYPE_CHECKING:  # selections are duck-typed here: axes, row_axes, remap, flattens
@@ -329,20 +330,8 @@ def _trace(decomposition: Callable, node: fx.Node) -> fx.GraphModule:
 
     with fake_mode(node.graph):
         sub = make_fx(call)(*[val(leaves[i]) for i in slots])
-    for n in sub.graph.nodes:  # `foo_(t)` on a fresh t that nothing else reads is `foo(t)`
-        functional = _functional_variant(n)
-        if functional is not None and n.args[0].op != "placeholder" and len(n.args[0].users) == 1:
-            n.target = functional
+    make_local_writes_functional(sub)  # `foo_(t)` on a fresh t is `foo(t)`
     return sub
-
-
-def _functional_variant(node: fx.Node) -> Any:
-    """aten.foo.overload for an in-place aten.foo_.overload node (torch's naming), or None."""
-    if not is_mutation(node) or not node.target.__name__.split(".")[0].endswith("_"):
-        return None
-    packet = getattr(aten, node.target.__name__.split(".")[0][:-1], None)
-    functional = getattr(packet, node.target._overloadname, None) if packet is not None else None
-    return None if functional is None or functional._schema.is_mutable else functional
 
 
 def _reads(node: fx.Node, inputs: set[fx.Node]) -> bool:
@@ -368,6 +357,13 @@ def _reads(node: fx.Node, inputs: set[fx.Node]) -> bool:
 def _same_shape(node: fx.Node, spec: Rows, options: Options) -> Rule:
     """One tensor operand, the same axes; any other tensor argument (type_as's) only lends a dtype."""
     return Rule([same_axes(node.args[0], rank(node))])
+
+
+@rule(aten.copy.default)
+def _copy(node: fx.Node, spec: Rows, options: Options) -> Rule:
+    """src's values in self's shape and dtype (an in-place copy_ made functional): both operands
+    gathered alike, as a broadcasting pointwise op's."""
+    return Rule([same_axes(a, rank(node), expandable=True) for a in node.args[:2]])
 
 
 _ALONG_DIM = {  # op -> its dims argument: ops along an axis that keep every axis
