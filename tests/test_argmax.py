@@ -753,22 +753,18 @@ class TestOnePass(expecttest.TestCase):
         self.assertExpectedInline(graph_str(result.graph_module), """\
 logits: f32[3, 50]
 reshape_default: f32[3, 50] = reshape(logits, [-1, 50])
-top1_lse_default: (i64[3], f32[3], f32[3]) = specpass.top1_lse(reshape_default)
+top1_lse_default: (i64[3], f32[3], f32[3], f32[3]) = specpass.top1_lse(reshape_default, True)
 getitem: i64[3] = getitem(top1_lse_default, 0)
 reshape_default_1: i64[3, 1] = reshape(getitem, [3, 1])
-getitem_1: f32[3] = getitem(top1_lse_default, 1)
-reshape_default_2: f32[3, 1] = reshape(getitem_1, [3, 1])
 getitem_2: f32[3] = getitem(top1_lse_default, 2)
 reshape_default_3: f32[3, 1] = reshape(getitem_2, [3, 1])
-lt_scalar: b8[3, 1] = lt.Scalar(reshape_default_2, inf)
-where_scalar_other: i64[3, 1] = where.ScalarOther(lt_scalar, reshape_default_1, 0)
-squeeze_dims: i64[3] = squeeze.dims(where_scalar_other, [1])
+squeeze_dims: i64[3] = squeeze.dims(reshape_default_1, [1])
 unsqueeze: i64[3, 1] = unsqueeze(squeeze_dims, 1)
 gather_default: f32[3, 1] = gather(logits, 1, unsqueeze)
 sub_tensor: f32[3, 1] = sub.Tensor(gather_default, reshape_default_3)
 return (squeeze_dims, sub_tensor)""")
         self.assertExpectedInline("\n".join(findings(result)), """\
-[argmax] rewrote log_softmax -> argmax: log_softmax -> argmax along dim 1: indices = top1_lse(logits) index, 0 where the max is not finite (one pass)
+[argmax] rewrote log_softmax -> argmax: log_softmax -> argmax along dim 1: indices = top1_lse(logits) index (one pass)
 [argmax] rewrote log_softmax -> gather: log_softmax -> gather along dim 1: values = s[ids] - logsumexp(s) (one pass: top1_lse)""")
 
 

@@ -17,16 +17,19 @@ def _top1():
     return torch.ops.specpass.top1_lse
 
 
+@pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows,vocab", SHAPES)
-def test_index_max_and_logsumexp_match_torch(rows, vocab, dtype):
+def test_index_max_logsumexp_and_value_match_torch(rows, vocab, dtype, log):
     g = torch.Generator(device="cuda").manual_seed(rows * vocab)
     logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 4).to(dtype)
-    index, top, lse = _top1()(logits)
+    index, top, lse, value = _top1()(logits, log)
     x = logits.float()
     assert torch.equal(index, x.argmax(-1))
     assert torch.equal(top, x.amax(-1))
     torch.testing.assert_close(lse, torch.logsumexp(x, -1), rtol=2e-6, atol=2e-6)
+    want = (torch.log_softmax if log else torch.softmax)(x, -1).amax(-1)
+    torch.testing.assert_close(value, want, rtol=2e-6, atol=2e-6)
 
 
 @pytest.mark.parametrize("rows,vocab", SHAPES)
@@ -34,20 +37,20 @@ def test_ties_take_the_first_index_across_chunks(rows, vocab):
     logits = torch.zeros(rows, vocab, device="cuda", dtype=torch.bfloat16)
     hot = torch.tensor([vocab - 1, vocab // 2, vocab // 3], device="cuda")
     logits[:, hot] = 3.0  # three equal maxima, the first in the middle of the row
-    index, _, _ = _top1()(logits)
+    index = _top1()(logits)[0]
     assert torch.equal(index, logits.float().argmax(-1)) and (index == vocab // 3).all()
 
 
 def test_rows_with_infinities_and_nan():
     logits = torch.randn(4, 40000, device="cuda")
     logits[0] = float("-inf")  # all -inf: index 0, max -inf, lse -inf
-    logits[1, 7] = float("inf")
+    logits[1, 7] = float("inf")  # softmax is NaN everywhere: its argmax is 0
     logits[2, 30000] = float("nan")  # NaN counts as +inf
-    index, top, lse = _top1()(logits)
-    assert index.tolist()[:3] == [0, 7, 30000]
+    index, top, lse, value = _top1()(logits)
+    assert index.tolist() == [0, 0, 0, logits[3].argmax()]
     assert top[0] == float("-inf") and lse[0] == float("-inf")
     assert top[1] == float("inf") and top[2] == float("inf") and lse[1:3].isnan().all()
-    assert torch.equal(index[3], logits[3].argmax()) and torch.isfinite(lse[3])
+    assert value[:3].isnan().all() and torch.isfinite(lse[3]) and torch.isfinite(value[3])
     for got, want in zip(_top1()(logits), _top1()(logits.cpu()), strict=True):  # the CPU implementation
         torch.testing.assert_close(got.cpu(), want, rtol=2e-6, atol=2e-6, equal_nan=True)
 
@@ -70,18 +73,19 @@ def test_every_tile_and_split_against_the_cpu_implementation(config, dtype):
     logits[6, [100, 30000]] = float("nan")
     logits[6, 200] = float("inf")
     logits[7, :20000] = float("-inf")
-    got = triton_top1.top1_lse(logits, config)
+    got = triton_top1.top1_lse(logits, config=config)
     want = _top1()(logits.cpu())
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
-    torch.testing.assert_close(got[2].cpu(), want[2], rtol=2e-6, atol=2e-6, equal_nan=True)
+    for g, w in zip(got[2:], want[2:]):
+        torch.testing.assert_close(g.cpu(), w, rtol=2e-6, atol=2e-6, equal_nan=True)
 
 
 def test_composes_with_inductor_and_cuda_graphs():
     top1_lse = _top1()
 
     def sample(logits):
-        index, top, lse = top1_lse(logits)
-        return index, torch.exp(top - lse)
+        index, _, _, p = top1_lse(logits)
+        return index, p
 
     logits = torch.randn(8, 32000, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(sample, mode="reduce-overhead", fullgraph=True)

@@ -8,8 +8,8 @@ a multiply, an exp2 and an add, with a compare, a select and a min for the index
 of z is once per lane per step (E x VEC elements). The next tile is loaded while this one is
 folded. At the end one reduction over the lanes merges (m, z, j): the max, the sum rescaled to
 it, and the smallest j among the lanes holding it, the first index on ties, as torch.argmax.
-NaN and +inf turn z into NaN (the max itself skips NaN); such a chunk is scanned again for its
-first NaN or +inf, which is its index (both count as +inf, and the max is +inf).
+NaN and +inf turn z into NaN (the max itself skips NaN): the chunk's max is then +inf, and its
+row's index 0 (softmax is NaN there).
 
 Few rows (fewer than the GPU's SMs): each row is cut into `splits` chunks, one program each,
 enough to fill the GPU, and a second, tiny kernel combines them: m = max(m_c), z = sum(z_c *
@@ -59,8 +59,8 @@ def _merge(m1, z1, j1, m2, z2, j2):
 
 
 @triton.jit
-def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, splits,
-                  E: tl.constexpr, T: tl.constexpr, VEC: tl.constexpr, FINAL: tl.constexpr):
+def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, out_v_ptr, splits,
+                  E: tl.constexpr, T: tl.constexpr, VEC: tl.constexpr, FINAL: tl.constexpr, LOG: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     base = x_ptr + row.to(tl.int64) * stride  # the rest of the index math is int32
     start = part * chunk
@@ -83,18 +83,9 @@ def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, spli
         x = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
         m, j, z = _step(x, m, j, z, full_end, offs, BLOCK)
     top, total, index = tl.reduce((m, z, j), 0, _merge)
-    if total != total:  # a NaN or +inf in the chunk: the first of them (both count as +inf)
-        index = end
-        for jj in range(start, end, BLOCK):
-            cols = jj + offs
-            x = tl.load(base + cols, mask=cols < end, other=0.0).to(tl.float32)
-            hit = (x != x) | (x == float("inf"))
-            index = tl.minimum(index, tl.min(tl.min(tl.min(tl.where(hit, cols, end), 2), 1), 0))
-    top = tl.where(total == total, top, float("inf"))
+    top = tl.where(total == total, top, float("inf"))  # a NaN or +inf in the chunk: its row's index is 0
     if FINAL:
-        tl.store(out_i_ptr + row, index.to(tl.int64))
-        tl.store(out_m_ptr + row, top)
-        tl.store(out_z_ptr + row, top + tl.log(total))  # NaN where the max is +inf
+        _store_row(out_i_ptr, out_m_ptr, out_z_ptr, out_v_ptr, row, index.to(tl.int64), top, total, LOG)
     else:
         tl.store(out_i_ptr + row * splits + part, index.to(tl.int64))
         tl.store(out_m_ptr + row * splits + part, top)
@@ -102,8 +93,8 @@ def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, spli
 
 
 @triton.jit
-def _combine_kernel(part_i_ptr, part_m_ptr, part_z_ptr, splits, out_i_ptr, out_m_ptr, out_lse_ptr,
-                    BLOCK_S: tl.constexpr):
+def _combine_kernel(part_i_ptr, part_m_ptr, part_z_ptr, splits, out_i_ptr, out_m_ptr, out_lse_ptr, out_v_ptr,
+                    BLOCK_S: tl.constexpr, LOG: tl.constexpr):
     row = tl.program_id(0)
     parts = tl.arange(0, BLOCK_S)
     valid = parts < splits
@@ -113,9 +104,19 @@ def _combine_kernel(part_i_ptr, part_m_ptr, part_z_ptr, splits, out_i_ptr, out_m
     top = tl.max(m, 0)
     index = tl.min(tl.where((m == top) & valid, i, 2**62), 0)  # chunks are in order: the first
     total = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - top)), 0)
-    tl.store(out_i_ptr + row, index)
+    _store_row(out_i_ptr, out_m_ptr, out_lse_ptr, out_v_ptr, row, index, top, total, LOG)
+
+
+@triton.jit
+def _store_row(out_i_ptr, out_m_ptr, out_lse_ptr, out_v_ptr, row, index, top, total, LOG: tl.constexpr):
+    """A row's outputs from its max and sum(exp(x - max)): softmax's index (0 where the max is
+    +inf or NaN, softmax being NaN there), the max, lse (NaN there) and the (log-)probability."""
+    lse = top + tl.log(total)
+    shifted = top - lse
+    tl.store(out_i_ptr + row, tl.where(top < float("inf"), index, 0))
     tl.store(out_m_ptr + row, top)
-    tl.store(out_lse_ptr + row, top + tl.log(total))
+    tl.store(out_lse_ptr + row, lse)
+    tl.store(out_v_ptr + row, shifted if LOG else tl.exp(shifted))
 
 
 @functools.cache
@@ -145,18 +146,19 @@ def config_for(rows: int, vocab: int, itemsize: int, sms: int = 132) -> tuple[in
     return E, warps, max(1, min(math.ceil(programs / rows), vocab // tile))
 
 
-def top1_lse(logits: torch.Tensor, config: tuple[int, ...] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(index, top, lse) of each row; `config` = (E, num_warps, splits[, num_stages]) overrides
-    config_for (for tuning)."""
+def top1_lse(logits: torch.Tensor, log: bool = False, config: tuple[int, ...] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(index, top, lse, value) of each row (kernels/__init__.py); `config` = (E, num_warps,
+    splits[, num_stages]) overrides config_for (for tuning)."""
     R, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     index = logits.new_empty(R, dtype=torch.int64)
     top = logits.new_empty(R, dtype=torch.float32)
     lse = logits.new_empty(R, dtype=torch.float32)
+    value = logits.new_empty(R, dtype=torch.float32)
     if R == 0:
-        return index, top, lse
+        return index, top, lse, value
     sms = _sms(logits.device.index or 0)
     E, warps, splits, *stages = config or config_for(R, V, logits.element_size(), sms)
     vec = max(1, 16 // logits.element_size())
@@ -165,13 +167,14 @@ def top1_lse(logits: torch.Tensor, config: tuple[int, ...] | None = None
     splits = math.ceil(V / chunk) if V else 1
     consts = dict(E=E, T=T, VEC=vec, num_warps=warps, **({"num_stages": stages[0]} if stages else {}))
     if splits == 1:
-        _chunk_kernel[(R, 1)](logits, logits.stride(0), V, chunk, index, top, lse, 1, FINAL=True, **consts)
-        return index, top, lse
+        _chunk_kernel[(R, 1)](logits, logits.stride(0), V, chunk, index, top, lse, value, 1, FINAL=True, LOG=log,
+                              **consts)
+        return index, top, lse, value
     part_i = logits.new_empty(R, splits, dtype=torch.int64)
     part_m = logits.new_empty(R, splits, dtype=torch.float32)
     part_z = logits.new_empty(R, splits, dtype=torch.float32)
-    _chunk_kernel[(R, splits)](logits, logits.stride(0), V, chunk, part_i, part_m, part_z, splits,
-                               FINAL=False, **consts)
-    _combine_kernel[(R,)](part_i, part_m, part_z, splits, index, top, lse,
-                          BLOCK_S=triton.next_power_of_2(splits))
-    return index, top, lse
+    _chunk_kernel[(R, splits)](logits, logits.stride(0), V, chunk, part_i, part_m, part_z, value, splits,
+                               FINAL=False, LOG=log, **consts)
+    _combine_kernel[(R,)](part_i, part_m, part_z, splits, index, top, lse, value,
+                          BLOCK_S=triton.next_power_of_2(splits), LOG=log)
+    return index, top, lse, value

@@ -29,9 +29,10 @@ softmax kernels accumulate in):
       log-probability of the sampled one), without the full normalised tensor.
 
 On CUDA, a k = 1 consumer and a gather along the last axis read one kernel instead (one_pass):
-torch.ops.specpass.top1_lse (specpass/kernels) returns each row's first arg-max, its maximum
-and its log-sum-exp in one pass over the row, and the values are exp(top - lse), top - lse and
-s_c[ids] - lse (the same functions of the logits, summed in another order). Elsewhere, and for
+torch.ops.specpass.top1_lse (specpass/kernels) returns each row's first arg-max (0 where the
+max is not finite), its maximum, its log-sum-exp and the value at the arg-max, exp(top - lse) or
+top - lse, in one pass over the row; a gather is s_c[ids] - lse (the same functions of the
+logits, summed in another order). Elsewhere, and for
 argmax_ties="eager" and topk(k > 1), the formulation above, which Inductor fuses.
 
 Non-finite rows: where m is +inf or NaN, softmax gives NaN everywhere and the original's index
@@ -273,16 +274,17 @@ class _Softmax:
             self._node("xs", aten.view.default, (x, list(self.shape[:-1]) + [self.chunks, self.chunk]))
         return self._cache["xs"]
 
-    def top1_lse(self) -> tuple[fx.Node, fx.Node, fx.Node]:
-        """(first arg-max, max, log-sum-exp) of each row of s_in, [..., 1]: one kernel, one pass."""
+    def top1_lse(self) -> tuple[fx.Node, fx.Node, fx.Node, fx.Node]:
+        """(softmax's arg-max, max, log-sum-exp, (log-)probability at the arg-max) of each row of
+        s_in, [..., 1]: one kernel, one pass (specpass/kernels)."""
         if "top1" not in self._cache:
             import specpass.kernels  # noqa: F401  registers torch.ops.specpass.top1_lse
 
             rows = emit(self.graph, aten.reshape.default, (self.s_in(), [-1, self.shape[-1]]))
-            both = emit(self.graph, torch.ops.specpass.top1_lse.default, (rows,))
+            both = emit(self.graph, torch.ops.specpass.top1_lse.default, (rows, self.is_log))
             self._cache["top1"] = tuple(
                 emit(self.graph, aten.reshape.default, (emit(self.graph, operator.getitem, (both, i)),
-                                                        list(self.shape[:-1]) + [1])) for i in range(3))
+                                                        list(self.shape[:-1]) + [1])) for i in range(4))
         return self._cache["top1"]
 
     def _reads_one_pass(self, dims: list[int], k: int) -> bool:
@@ -385,9 +387,7 @@ class _Softmax:
         if target is aten.topk.default and not self.topk_keeps_first(k):
             return emit(self.graph, operator.getitem, (self.topk(k, args["sorted"]), 1))
         if self._reads_one_pass(dims, k):
-            index, top, _ = self.top1_lse()
-            index = emit(self.graph, aten.where.ScalarOther,
-                         (emit(self.graph, aten.lt.Scalar, (top, float("inf"))), index, 0))
+            index = self.top1_lse()[0]
             return index if keepdim else emit(self.graph, aten.squeeze.dims, (index, dims))
         x = self._hits(dims, casts) if self.strict else self.s_in()
         if self._is_chunked(dims):
@@ -422,8 +422,7 @@ class _Softmax:
         """exp(top - m) / z (log_softmax: top - m - log z); for k = 1 the top is m itself."""
         keepdim = target is aten.topk.default or args.get("keepdim", False)
         if self._reads_one_pass(dims, k):
-            _, top, lse = self.top1_lse()
-            value = self._given(top, lse)
+            value = self.top1_lse()[3]
             return value if keepdim else emit(self.graph, aten.squeeze.dims, (value, dims))
         m, z = self.stats(dims)
         if not keepdim:
@@ -440,7 +439,7 @@ class _Softmax:
         """The probabilities softmax gives the tokens `ids` of gather(p, d, ids), rounded through `dtypes`."""
         ids = bind(consumer)["index"]
         if self.one_pass:
-            _, _, lse = self.top1_lse()
+            lse = self.top1_lse()[2]
         else:
             m, z = self.stats([self.dim])
         with self.graph.inserting_before(consumer):  # after ids: it may be computed from these rows
@@ -466,7 +465,7 @@ class _Softmax:
             if target is aten.topk.default and not self.topk_keeps_first(k):
                 how = f"topk({self.s_in().name}, {k})"
             elif self._reads_one_pass(dims, k):
-                how = f"top1_lse({self.s_in().name}) index, 0 where the max is not finite (one pass)"
+                how = f"top1_lse({self.s_in().name}) index (one pass)"
             else:
                 how = ("first index rounding to the max probability" if self.strict
                        else f"argmax({self.s_in().name}), 0 where the max is not finite")
