@@ -65,25 +65,30 @@ def _column_parallel(linear: nn.Linear, group: dist.ProcessGroup, parts: int) ->
     linear.out_features = linear.weight.shape[0]
 
 
-class RowParallelLinear(nn.Module):
+class _ShardedLinear(nn.Module):
+    """This rank's part of a linear's weight, cut along `dim`, and the group of its other parts."""
+
+    def __init__(self, full: nn.Linear, group: dist.ProcessGroup, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(shard(full.weight, dim, group))
+        self.group = group
+
+
+class RowParallelLinear(_ShardedLinear):
     """This rank's input features of a linear; the partial products are summed over the group."""
 
     def __init__(self, full: nn.Linear, group: dist.ProcessGroup):
-        super().__init__()
-        self.weight = nn.Parameter(shard(full.weight, 1, group))
-        self.group = group
+        super().__init__(full, group, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(F.linear(x, self.weight), "sum", self.group)
 
 
-class VocabParallelLinear(nn.Module):
+class VocabParallelLinear(_ShardedLinear):
     """This rank's slice of the vocabulary; the logits are gathered from every rank."""
 
     def __init__(self, full: nn.Linear, group: dist.ProcessGroup):
-        super().__init__()
-        self.weight = nn.Parameter(shard(full.weight, 0, group))
-        self.group = group
+        super().__init__(full, group, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.weight)  # [..., V / world]

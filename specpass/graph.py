@@ -260,10 +260,9 @@ def make_local_writes_functional(gm: fx.GraphModule) -> None:
             continue
         order.update(zip(values[1:], map(order.get, writes)))
         group = {base, *writes}
-        for node in list(graph.nodes):  # a read of the tensor reads the value of the last write before it
-            if node in group or node in values:
-                continue
-            latest = values[sum(order[w] < order.get(node, len(order)) for w in writes)]
+        readers = {user for member in group for user in member.users} - group - set(values)
+        for node in readers:  # a read of the tensor reads the value of the last write before it
+            latest = values[sum(order[w] < order[node] for w in writes)]
             node.args, node.kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: latest if a in group else a)
         for write in reversed(writes):
             graph.erase_node(write)
@@ -283,7 +282,7 @@ def _functional_values(graph: fx.Graph, base: fx.Node, writes: list[fx.Node]) ->
             set_val(values[-1])
         if all(same_shape(val(v).shape, val(base).shape) and val(v).dtype == val(base).dtype for v in values[1:]):
             return values
-    except Exception:
+    except Exception:  # the functional op refuses these fake values: keep the writes
         pass
     for new in reversed(values[1:]):
         graph.erase_node(new)
