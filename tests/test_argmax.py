@@ -742,30 +742,83 @@ FORMS = {
 }
 
 
+def rewrite_one_pass(fn, *args):
+    """rewrite() on the CUDA path, run here with the op's torch implementation."""
+    argmax_pass.ONE_PASS_DEVICES.add("cpu")
+    try:
+        return rewrite(fn, *args)
+    finally:
+        argmax_pass.ONE_PASS_DEVICES.discard("cpu")
+
+
 class TestOnePass(expecttest.TestCase):
     def test_sampled_token_and_its_logprob_read_one_kernel(self):
-        """The CUDA path, run here with the op's torch implementation."""
-        argmax_pass.ONE_PASS_DEVICES.add("cpu")
-        try:
-            gm, result = rewrite(sampled_logprob, X)
-        finally:
-            argmax_pass.ONE_PASS_DEVICES.discard("cpu")
+        """The log-probability gathered at the op's own arg-max is the op's value: no gather."""
+        gm, result = rewrite_one_pass(sampled_logprob, X)
         self.assertExpectedInline(graph_str(result.graph_module), """\
 logits: f32[3, 50]
 reshape_default: f32[3, 50] = reshape(logits, [-1, 50])
 top1_lse_default: (i64[3], f32[3], f32[3], f32[3]) = specpass.top1_lse(reshape_default, True)
 getitem: i64[3] = getitem(top1_lse_default, 0)
 reshape_default_1: i64[3, 1] = reshape(getitem, [3, 1])
-getitem_2: f32[3] = getitem(top1_lse_default, 2)
-reshape_default_3: f32[3, 1] = reshape(getitem_2, [3, 1])
+getitem_3: f32[3] = getitem(top1_lse_default, 3)
+reshape_default_4: f32[3, 1] = reshape(getitem_3, [3, 1])
 squeeze_dims: i64[3] = squeeze.dims(reshape_default_1, [1])
-unsqueeze: i64[3, 1] = unsqueeze(squeeze_dims, 1)
-gather_default: f32[3, 1] = gather(logits, 1, unsqueeze)
-sub_tensor: f32[3, 1] = sub.Tensor(gather_default, reshape_default_3)
-return (squeeze_dims, sub_tensor)""")
+return (squeeze_dims, reshape_default_4)""")
         self.assertExpectedInline("\n".join(findings(result)), """\
 [argmax] rewrote log_softmax -> argmax: log_softmax -> argmax along dim 1: indices = top1_lse(logits) index (one pass)
-[argmax] rewrote log_softmax -> gather: log_softmax -> gather along dim 1: values = s[ids] - logsumexp(s) (one pass: top1_lse)""")
+[argmax] rewrote log_softmax -> gather: log_softmax -> gather along dim 1 at its own arg-max: values = top1_lse value (one pass)""")
+
+
+    def test_a_16_bit_value_comes_rounded_from_the_op(self):
+        """softmax of bf16 logits gives bf16 probabilities: the op rounds its value to bf16 itself,
+        so the token and its probability need no kernel after it."""
+        _, result = rewrite_one_pass(lambda x: torch.softmax(x, -1).topk(1), W.bfloat16())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+x: bf16[3, 128]
+reshape_default: bf16[3, 128] = reshape(x, [-1, 128])
+top1_lse_default: (i64[3], f32[3], f32[3], bf16[3]) = specpass.top1_lse(reshape_default, False, bf16)
+getitem_2: i64[3] = getitem(top1_lse_default, 0)
+reshape_default_1: i64[3, 1] = reshape(getitem_2, [3, 1])
+getitem_5: bf16[3] = getitem(top1_lse_default, 3)
+reshape_default_4: bf16[3, 1] = reshape(getitem_5, [3, 1])
+return (reshape_default_4, reshape_default_1)""")
+
+
+OTHER_TOKENS = {  # gathers at ids that are not the op's own arg-max, row for row
+    "reversed": lambda lp, y: lp.argmax(-1).flip(0)[:, None],
+    "shifted": lambda lp, y: (lp.argmax(-1) + 1).clamp(max=49)[:, None],
+    "expanded": lambda lp, y: lp.argmax(-1)[:, None].expand(3, 2),
+    "another softmax's": lambda lp, y: torch.log_softmax(y, -1).argmax(-1)[:, None],
+}
+
+
+@pytest.mark.parametrize("ids", OTHER_TOKENS)
+def test_a_gather_at_other_tokens_reads_the_logits(monkeypatch, ids):
+    def fn(x, y):
+        logprobs = torch.log_softmax(x, -1)
+        return logprobs.argmax(-1), logprobs.gather(-1, OTHER_TOKENS[ids](logprobs, y))
+
+    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    x, y = X, torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    _, result = rewrite(fn, x, y)
+    assert "gather(x, 1" in graph_str(result.graph_module) and "own arg-max" not in "".join(findings(result))
+    got = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x, y)
+    want = fn(x, y)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=2e-6)
+
+
+def test_float64_keeps_the_formulation(monkeypatch):
+    """The op accumulates in fp32: a float64 softmax is rewritten in float64, exactly as before."""
+    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    fn = lambda x: torch.softmax(x, -1).max(-1)  # noqa: E731
+    x = X.double()
+    _, result = rewrite(fn, x)
+    assert result.report.rewrites and "top1_lse" not in graph_str(result.graph_module)
+    got = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x)
+    assert torch.equal(got[1], fn(x)[1]) and got[0].dtype == torch.float64
+    torch.testing.assert_close(got[0], fn(x)[0], rtol=1e-12, atol=1e-15)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -1,18 +1,20 @@
 """Ops the passes emit where a kernel of ours beats Inductor's formulation.
 
-    index, top, lse, value = torch.ops.specpass.top1_lse(logits, log)   # logits [R, V], any float dtype
+    index, top, lse, value = torch.ops.specpass.top1_lse(logits, log, dtype)   # logits [R, V], any float dtype
     # index [R] int64: softmax(logits)'s arg-max: the first index of the row's maximum, as
     #                  torch.argmax of the fp32 logits; 0 where the maximum is +inf or NaN
     #                  (softmax is NaN everywhere there, and argmax of NaNs is 0)
     # top   [R] fp32:  the maximum (NaN counts as +inf)
     # lse   [R] fp32:  log(sum(exp(logits))); NaN where top is +inf
-    # value [R] fp32:  the probability at the arg-max, exp(top - lse); with log, top - lse
+    # value [R] dtype: the probability at the arg-max, exp(top - lse); with log, top - lse,
+    #                  computed in fp32 and rounded to `dtype` (default fp32) to nearest even
 
-The value is written by the kernel so that a sampled token and its (log-)probability need no
-second kernel; at a token t the log-probability is logits[t] - lse. On CUDA it is one pass over the
-row in Triton (kernels/triton_top1.py, imported on first use: Triton is not needed elsewhere);
-elsewhere it is the same thing written in torch ops, which the tests compare it with. A custom
-op with a fake implementation: Inductor calls it as one extern kernel, CUDA graphs capture it.
+The value is written by the kernel, in the dtype its user wants, so that a sampled token and its
+(log-)probability need no second kernel; at a token t the log-probability is logits[t] - lse. On
+CUDA it is one pass over the row in Triton (kernels/triton_top1.py, imported on first use: Triton
+is not needed elsewhere); elsewhere it is the same thing written in torch ops, which the tests
+compare it with. A custom op with a fake implementation: Inductor calls it as one extern kernel,
+CUDA graphs capture it.
 """
 
 from __future__ import annotations
@@ -22,24 +24,25 @@ from torch import Tensor
 
 
 @torch.library.custom_op("specpass::top1_lse", mutates_args=())
-def top1_lse(logits: Tensor, log: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def top1_lse(logits: Tensor, log: bool = False, dtype: torch.dtype | None = None
+             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     x = torch.nan_to_num(logits.float(), nan=float("inf"), posinf=float("inf"), neginf=float("-inf"))
     top, index = x.max(-1)
     finite = top < float("inf")
     lse = torch.where(finite, torch.logsumexp(x, -1), float("nan"))
     value = top - lse if log else torch.exp(top - lse)
-    return torch.where(finite, index, 0), top, lse, value
+    return torch.where(finite, index, 0), top, lse, value.to(dtype or torch.float32)
 
 
 @top1_lse.register_kernel("cuda")
-def _(logits: Tensor, log: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _(logits: Tensor, log: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from specpass.kernels import triton_top1
 
-    return triton_top1.top1_lse(logits, log)
+    return triton_top1.top1_lse(logits, log, dtype)
 
 
 @top1_lse.register_fake
-def _(logits: Tensor, log: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _(logits: Tensor, log: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rows = logits.shape[0]
-    return (logits.new_empty(rows, dtype=torch.int64),
-            *(logits.new_empty(rows, dtype=torch.float32) for _ in range(3)))
+    return (logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32),
+            logits.new_empty(rows, dtype=torch.float32), logits.new_empty(rows, dtype=dtype or torch.float32))

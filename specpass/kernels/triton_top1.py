@@ -3,13 +3,14 @@
 A program reads a chunk of one row, a tile of E x T elements at a step: each thread holds E
 vectors of VEC adjacent elements (16 bytes, so every load is 16 bytes wide), T elements apart.
 A thread's E x VEC elements of a tile are one "lane" group: the lane keeps a running max m,
-the first index j of it and z = sum(exp(x - m)). Per element the work is a max, a subtract,
-a multiply, an exp2 and an add, with a compare, a select and a min for the index; the rescale
-of z is once per lane per step (E x VEC elements). The next tile is loaded while this one is
-folded. At the end one reduction over the lanes merges (m, z, j): the max, the sum rescaled to
-it, and the smallest j among the lanes holding it, the first index on ties, as torch.argmax.
-NaN and +inf turn z into NaN (the max itself skips NaN): the chunk's max is then +inf, and its
-row's index 0 (softmax is NaN there).
+z = sum(exp(x - m)) and the tile t where m last grew. Per element the work is a max, a subtract,
+a multiply, an exp2 and an add; the rescale of z and the tile bookkeeping are once per lane per
+step (E x VEC elements). No index is tracked per element: at the end, one reduction over the
+lanes gives the chunk's max and the sum rescaled to it, and each lane holding the max reads its
+tile t again (E x VEC elements, one lane per row in practice) for the first position of it; the
+smallest position among them is the first index on ties, as torch.argmax. NaN and +inf turn z
+into NaN (the max itself skips NaN): the chunk's max is then +inf, and its row's index 0
+(softmax is NaN there).
 
 Few rows (fewer than the GPU's SMs): each row is cut into `splits` chunks, one program each,
 enough to fill the GPU, and a second, tiny kernel combines them: m = max(m_c), z = sum(z_c *
@@ -36,26 +37,24 @@ def _lanes(v):
 
 
 @triton.jit
-def _step(x, m, j, z, jj, offs, BLOCK: tl.constexpr):
-    """Fold one tile (fp32, first column jj) into the lanes' (m, j, z)."""
+def _step(x, m, t, z, jj):
+    """Fold one tile (fp32, first column jj) into the lanes' (m, t, z)."""
     gm = tl.max(tl.max(x, 2), 1)  # skips NaN: a NaN shows up in z
-    pos = tl.min(tl.min(tl.where(x == _lanes(gm), offs, BLOCK), 2), 1)  # the first of the lane's max
-    j = tl.where(gm > m, jj + pos, j)  # strictly bigger: a lane keeps its first index
+    t = tl.where(gm > m, jj, t)  # strictly bigger: a lane keeps the first tile holding its max
     m_new = tl.maximum(m, gm)
     ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane of -inf alone adds 0, not NaN
     s = tl.sum(tl.sum(tl.exp2((x - _lanes(ref)) * 1.4426950408889634), 2), 1)
     z = z * tl.exp2((m - ref) * 1.4426950408889634) + s
-    return m_new, j, z
+    return m_new, t, z
 
 
 @triton.jit
-def _merge(m1, z1, j1, m2, z2, j2):
-    """Two lanes' (max, sum(exp(x - max)), first index of the max) as one."""
+def _merge(m1, z1, m2, z2):
+    """Two lanes' (max, sum(exp(x - max))) as one."""
     m = tl.maximum(m1, m2)
     ref = tl.where(m == float("-inf"), 0.0, m)
     z = z1 * tl.exp2((m1 - ref) * 1.4426950408889634) + z2 * tl.exp2((m2 - ref) * 1.4426950408889634)
-    j = tl.where(m1 > m2, j1, tl.where(m2 > m1, j2, tl.minimum(j1, j2)))
-    return m, z, j
+    return m, z
 
 
 @triton.jit
@@ -70,19 +69,24 @@ def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, out_
     offs = (tl.arange(0, LANES)[:, None, None] * VEC + tl.arange(0, E)[None, :, None] * T
             + tl.arange(0, VEC)[None, None, :])
     m = tl.full([LANES], float("-inf"), tl.float32)
-    j = tl.zeros([LANES], tl.int32) + start  # a row of -inf alone: its first index
+    t = tl.zeros([LANES], tl.int32) + start  # a lane of -inf alone: its first tile
     z = tl.zeros([LANES], tl.float32)
     full_end = start + (end - start) // BLOCK * BLOCK
     raw = tl.load(base + start + offs, mask=start < full_end, other=0.0)
     for jj in range(start, full_end, BLOCK):  # whole tiles, each loaded one step ahead
         raw_next = tl.load(base + jj + BLOCK + offs, mask=jj + BLOCK < full_end, other=0.0)
-        m, j, z = _step(raw.to(tl.float32), m, j, z, jj, offs, BLOCK)
+        m, t, z = _step(raw.to(tl.float32), m, t, z, jj)
         raw = raw_next
     if full_end < end:  # the last, partial tile
         cols = full_end + offs
         x = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
-        m, j, z = _step(x, m, j, z, full_end, offs, BLOCK)
-    top, total, index = tl.reduce((m, z, j), 0, _merge)
+        m, t, z = _step(x, m, t, z, full_end)
+    top, total = tl.reduce((m, z), 0, _merge)
+    # the first position of the max: each lane holding it reads its tile again (NaN never equals)
+    cols = _lanes(t) + offs
+    again = tl.load(base + cols, mask=(cols < end) & (_lanes(m) == top), other=float("nan")).to(tl.float32)
+    index = tl.min(tl.min(tl.min(tl.where(again == top, cols, end), 2), 1), 0)
+    index = tl.where(index < end, index, start)  # an empty chunk
     top = tl.where(total == total, top, float("inf"))  # a NaN or +inf in the chunk: its row's index is 0
     if FINAL:
         _store_row(out_i_ptr, out_m_ptr, out_z_ptr, out_v_ptr, row, index.to(tl.int64), top, total, LOG)
@@ -110,13 +114,15 @@ def _combine_kernel(part_i_ptr, part_m_ptr, part_z_ptr, splits, out_i_ptr, out_m
 @triton.jit
 def _store_row(out_i_ptr, out_m_ptr, out_lse_ptr, out_v_ptr, row, index, top, total, LOG: tl.constexpr):
     """A row's outputs from its max and sum(exp(x - max)): softmax's index (0 where the max is
-    +inf or NaN, softmax being NaN there), the max, lse (NaN there) and the (log-)probability."""
+    +inf or NaN, softmax being NaN there), the max, lse (NaN there) and the (log-)probability, in
+    the dtype of out_v_ptr."""
     lse = top + tl.log(total)
     shifted = top - lse
     tl.store(out_i_ptr + row, tl.where(top < float("inf"), index, 0))
     tl.store(out_m_ptr + row, top)
     tl.store(out_lse_ptr + row, lse)
-    tl.store(out_v_ptr + row, shifted if LOG else tl.exp(shifted))
+    value = shifted if LOG else tl.exp(shifted)
+    tl.store(out_v_ptr + row, value.to(out_v_ptr.dtype.element_ty))  # rounded to nearest even
 
 
 @functools.cache
@@ -126,28 +132,31 @@ def _sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-PROGRAM_BYTES = 8192  # split rows: a chunk of at least this much, up to 8 programs per SM
+PROGRAM_BYTES = 2048  # split rows: a chunk of at least this much, up to 8 programs per SM
+WHOLE_ROW_BYTES = 128 * 1024  # from a quarter as many rows as SMs, rows this short are read whole
 
 
 def config_for(rows: int, vocab: int, itemsize: int, sms: int = 132) -> tuple[int, int, int]:
     """(E, num_warps, splits) for rows x vocab logits of `itemsize` bytes (an H100 sweep,
-    docs/results.md): at least as many rows as SMs, a row per program, in tiles of 8192 elements
-    over 16 warps (4-byte tiles of 2048 elements over 4 warps from 8 rows per SM, 16-bit
-    logits only); fewer rows, 4 KB tiles over 4 warps and each row cut into chunks of
-    PROGRAM_BYTES or more, up to 8 programs per SM."""
+    `benchmarks/sampling.py --configs`, docs/results.md): a row per program, in tiles of 8192
+    elements over 16 warps (4-byte tiles of 2048 elements over 4 warps from 8 rows per SM, 16-bit
+    logits only), where the rows alone fill the GPU: at least as many as SMs, or a quarter as many
+    and no longer than WHOLE_ROW_BYTES (there the second launch of a split costs more than it
+    saves). Otherwise 2 KB tiles over 4 warps, each row cut into chunks of PROGRAM_BYTES or more,
+    up to 8 programs per SM."""
     vec = max(1, 16 // itemsize)
-    if rows >= sms:
+    if rows >= sms or 4 * rows >= sms and vocab * itemsize <= WHOLE_ROW_BYTES:
         if rows >= 8 * sms and itemsize <= 2:
             return 2, 4, 1
         return max(1, 8192 // (vec * 32 * 16)), 16, 1
-    E, warps = 2, 4
+    E, warps = 1, 4
     tile = E * vec * 32 * warps
     programs = min(8 * sms, max(1, rows * vocab * itemsize // PROGRAM_BYTES))
     return E, warps, max(1, min(math.ceil(programs / rows), vocab // tile))
 
 
-def top1_lse(logits: torch.Tensor, log: bool = False, config: tuple[int, ...] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def top1_lse(logits: torch.Tensor, log: bool = False, dtype: torch.dtype | None = None,
+             config: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(index, top, lse, value) of each row (kernels/__init__.py); `config` = (E, num_warps,
     splits[, num_stages]) overrides config_for (for tuning)."""
     R, V = logits.shape
@@ -156,7 +165,7 @@ def top1_lse(logits: torch.Tensor, log: bool = False, config: tuple[int, ...] | 
     index = logits.new_empty(R, dtype=torch.int64)
     top = logits.new_empty(R, dtype=torch.float32)
     lse = logits.new_empty(R, dtype=torch.float32)
-    value = logits.new_empty(R, dtype=torch.float32)
+    value = logits.new_empty(R, dtype=dtype or torch.float32)
     if R == 0:
         return index, top, lse, value
     sms = _sms(logits.device.index or 0)

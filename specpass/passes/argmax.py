@@ -31,9 +31,11 @@ softmax kernels accumulate in):
 On CUDA, a k = 1 consumer and a gather along the last axis read one kernel instead (one_pass):
 torch.ops.specpass.top1_lse (specpass/kernels) returns each row's first arg-max (0 where the
 max is not finite), its maximum, its log-sum-exp and the value at the arg-max, exp(top - lse) or
-top - lse, in one pass over the row; a gather is s_c[ids] - lse (the same functions of the
-logits, summed in another order). Elsewhere, and for
-argmax_ties="eager" and topk(k > 1), the formulation above, which Inductor fuses.
+top - lse, rounded to the softmax's dtype, in one pass over the row. A gather at that arg-max
+(reshaped, one id per row: the sampled token's log-probability) is that value; a gather of other
+ids is s_c[ids] - lse (the same functions of the logits, summed in another order). Elsewhere, and
+for argmax_ties="eager", topk(k > 1) and float64 inputs (the kernel accumulates in fp32), the
+formulation above, which Inductor fuses.
 
 Non-finite rows: where m is +inf or NaN, softmax gives NaN everywhere and the original's index
 is the one its reduction gives an all-NaN row: 0 for max and argmax, topk's own order for topk
@@ -79,7 +81,7 @@ import torch.fx as fx
 
 from specpass.graph import bind, emit, is_symbolic, is_written_in_place, known, op_name, same_shape, val
 from specpass.options import Options
-from specpass.passes.row_rules import SAME_VALUES
+from specpass.passes.row_rules import RESHAPES, SAME_VALUES
 from specpass.report import Finding
 
 aten = torch.ops.aten
@@ -207,8 +209,10 @@ class _Softmax:
         self.cast_to = args.get("dtype") if args.get("dtype") not in (None, val(s).dtype) else None
         self.compute_dtype = torch.float32 if out.dtype in _HALF else out.dtype
         self.chunks, self.chunk, self.with_stats = 1, self.shape[self.dim], False
+        # the kernel accumulates in fp32: wider inputs keep the formulation in their own dtype
+        in_dtype = self.cast_to or val(s).dtype
         self.one_pass = not self.strict and self.dim == self.ndim - 1 and not any(map(is_symbolic, self.shape)) \
-            and self.device.type in ONE_PASS_DEVICES \
+            and in_dtype in (torch.float32, *_HALF) and self.device.type in ONE_PASS_DEVICES \
             and (self.device.type != "cuda" or importlib.util.find_spec("triton") is not None)
         self._cache: dict[Any, fx.Node] = {}
 
@@ -281,7 +285,9 @@ class _Softmax:
             import specpass.kernels  # noqa: F401  registers torch.ops.specpass.top1_lse
 
             rows = emit(self.graph, aten.reshape.default, (self.s_in(), [-1, self.shape[-1]]))
-            both = emit(self.graph, torch.ops.specpass.top1_lse.default, (rows, self.is_log))
+            # the value comes rounded to the softmax's dtype, where every use of it rounds first
+            rounded = (self.out_dtype,) if self.out_dtype != torch.float32 else ()
+            both = emit(self.graph, torch.ops.specpass.top1_lse.default, (rows, self.is_log, *rounded))
             self._cache["top1"] = tuple(
                 emit(self.graph, aten.reshape.default, (emit(self.graph, operator.getitem, (both, i)),
                                                         list(self.shape[:-1]) + [1])) for i in range(4))
@@ -435,9 +441,23 @@ class _Softmax:
         shifted = emit(self.graph, aten.sub.Tensor, (top, lse))
         return shifted if self.is_log else emit(self.graph, aten.exp.default, (shifted,))
 
+    def _is_own_index(self, ids: Any) -> bool:
+        """Is `ids` the one-pass arg-max itself, one per row in row order ([..., 1], reached from it
+        through reshapes only, which keep the row-major order)?"""
+        if "top1" not in self._cache or not same_shape(val(ids).shape, (*self.shape[:-1], 1)):
+            return False
+        node = ids
+        while node is not self._cache["top1"][0]:
+            if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in RESHAPES):
+                return False
+            node = node.args[0]
+        return True
+
     def gathered(self, consumer: fx.Node, dtypes: list[torch.dtype]) -> fx.Node:
         """The probabilities softmax gives the tokens `ids` of gather(p, d, ids), rounded through `dtypes`."""
         ids = bind(consumer)["index"]
+        if self.one_pass and self._is_own_index(ids):  # the sampled token's: the op's own value
+            return self._round(self.top1_lse()[3], dtypes)
         if self.one_pass:
             lse = self.top1_lse()[2]
         else:
@@ -450,7 +470,10 @@ class _Softmax:
         target, args = consumer.target, bind(consumer)
         kind = "log_softmax" if self.is_log else "softmax"
         if target is aten.gather.default:
+            own = self.one_pass and self._is_own_index(bind(consumer)["index"])
             consumer.replace_all_uses_with(self.gathered(consumer, [self.out_dtype] + casts))
+            if own:
+                return f"{kind} -> gather along dim {self.dim} at its own arg-max: values = top1_lse value (one pass)"
             formula = "s[ids] - logsumexp(s)" if self.is_log else "exp(s[ids] - logsumexp(s))"
             return f"{kind} -> gather along dim {self.dim}: values = {formula}" + (
                 " (one pass: top1_lse)" if self.one_pass else "")
