@@ -14,6 +14,12 @@ without CUDA graphs: NCCL kernels and their message sizes); and the same two ste
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/catchup_tp.py --out catchup_tp.json
     torchrun --nproc-per-node 2 benchmarks/catchup_tp.py --device cpu --quick    # gloo, a tiny head
+    python benchmarks/catchup_tp.py --fake-world 2 --out catchup_tp_compute.json
+
+--fake-world N runs one process as rank 0 of N on torch's fake process group, whose collectives
+do nothing: the same TP graphs with communication free, so the times are one rank's compute
+alone (no check of the outputs, which are not summed, and no profile). Against a real run on N
+GPUs it splits a TP step into compute and communication.
 """
 
 import argparse
@@ -157,25 +163,25 @@ def variants(head) -> dict:
             "specpass": torch.compile(head.catch_up, backend=specpass, dynamic=False)}
 
 
-def table(results: list[dict], world: int) -> str:
+def table(results: list[dict], world: int, fake: bool = False) -> str:
     """The markdown table of ms per step and collective MB per step."""
-    lines = [f"TP = {world}, T = {results[0]['tokens']}, CUDA graphs: ms per step; MB per step from the graph "
-             "(the profiler's in brackets)",
+    lines = [f"TP = {world}{' with collectives free' if fake else ''}, T = {results[0]['tokens']}, CUDA graphs: "
+             "ms per step; MB per step from the graph (the profiler's in brackets)",
              "| bs | Inductor | specpass | speedup | one GPU: speedup | all-reduce MB, Inductor | specpass | ratio | "
              "all-gather MB, Inductor | specpass | tokens as one GPU's |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         graph = {v: r[f"{v}_graph_bytes"] for v in ("inductor", "specpass")}
-        profiled = {v: r[f"{v}_profiled"] for v in ("inductor", "specpass")}
+        profiled = {v: r.get(f"{v}_profiled", {}) for v in ("inductor", "specpass")}
         cells = [f"{r['tp_inductor_ms']:.3f}", f"{r['tp_specpass_ms']:.3f}",
                  f"{r['tp_inductor_ms'] / r['tp_specpass_ms']:.2f}x",
                  f"{r['single_inductor_ms'] / r['single_specpass_ms']:.2f}x"]
         for op in ("all_reduce", "all_gather_into_tensor"):
-            cells += [f"{graph[v][op] / 1e6:.2f} ({profiled[v].get(op, float('nan')) / 1e6:.2f})"
+            cells += [f"{graph[v][op] / 1e6:.2f}" + (f" ({profiled[v][op] / 1e6:.2f})" if op in profiled[v] else "")
                       for v in ("inductor", "specpass")]
             if op == "all_reduce":
                 cells.append(f"{graph['inductor'][op] / graph['specpass'][op]:.2f}x")
-        cells.append(f"{r['specpass_argmax_agree']:.1%}")
+        cells.append(f"{r['specpass_argmax_agree']:.1%}" if "specpass_argmax_agree" in r else "-")
         lines.append(f"| {r['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -188,25 +194,36 @@ def main() -> None:
     parser.add_argument("--cache", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--quick", action="store_true", help="a tiny head: checks the script runs")
+    parser.add_argument("--fake-world", type=int, metavar="N",
+                        help="one process, rank 0 of N on a fake process group: the TP step's compute alone")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args()
 
     cuda = args.device == "cuda"
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    fake = args.fake_world is not None
+    if fake:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+    else:
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    processes = 1 if fake else world
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     say = print if rank == 0 else (lambda *a, **k: None)
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    say(f"{world} x {name}, torch {torch.__version__}, T = {args.tokens}")
+    say(f"{processes} x {name}, TP = {world}{' (fake: collectives free)' if fake else ''}, torch {torch.__version__}, "
+        f"T = {args.tokens}")
     torch._dynamo.config.recompile_limit = 64  # one compile per shape and variant
-    checked = ["tiny-llama-eagle3", "tiny-llama-draft"] + ([] if args.quick else ["llama3-8b-eagle3"])
+    checked = [] if fake else ["tiny-llama-eagle3", "tiny-llama-draft"] + ([] if args.quick else ["llama3-8b-eagle3"])
     for head in checked:
         check(head, dist.group.WORLD, device, specpass)
-    say(f"checked, fp32, on every rank: {', '.join(checked)}: the specpass TP step's outputs and K/V caches equal "
-        "the unrewritten TP step's and the single-device step's")
+    if checked:
+        say(f"checked, fp32, on every rank: {', '.join(checked)}: the specpass TP step's outputs and K/V caches "
+            "equal the unrewritten TP step's and the single-device step's")
 
     if args.quick:
         config, dtype, args.batch, args.cache = zoo.config("tiny-llama-eagle3"), torch.float32, [2, 3], 64
@@ -229,7 +246,8 @@ def main() -> None:
         row["inductor_graph_bytes"] = collective_bytes(graph)
         row["specpass_graph_bytes"] = collective_bytes(rewritten.graph_module)
         for v, fn in steps.items():
-            row[f"{v}_profiled"] = profiled_collectives(fn, inputs, inputs[2].element_size())
+            if not fake:
+                row[f"{v}_profiled"] = profiled_collectives(fn, inputs, inputs[2].element_size())
         if cuda:
             for v, ms in median_ms(steps, inputs, args.iters, graph=True).items():
                 row[f"tp_{v}_ms"] = ms
@@ -242,29 +260,31 @@ def main() -> None:
     say(report)
 
     single = {}  # the unsharded head on one GPU alone, the batch sizes shared out among the ranks
-    for B in args.batch[rank::world]:
+    for B in args.batch[rank::processes]:
         inputs = step_inputs(config, B, T, args.cache, device, dtype, seed=B)
         full.setup_caches(B, args.cache, device=device, dtype=dtype)
-        reference = full.catch_up(*inputs)
         single[B] = {}
-        for v, (logits, hidden_out) in outputs[B].items():  # the TP steps against the single-GPU one
-            single[B][f"{v}_argmax_agree"] = (logits.argmax(-1) == reference[0].argmax(-1)).float().mean().item()
-            single[B][f"{v}_max_err"] = max((logits.float() - reference[0].float()).abs().max().item(),
-                                            (hidden_out.float() - reference[1].float()).abs().max().item())
+        if not fake:  # the TP steps against the single-GPU one (a fake group's outputs are not summed)
+            reference = full.catch_up(*inputs)
+            for v, (logits, hidden_out) in outputs[B].items():
+                single[B][f"{v}_argmax_agree"] = (logits.argmax(-1) == reference[0].argmax(-1)).float().mean().item()
+                single[B][f"{v}_max_err"] = max((logits.float() - reference[0].float()).abs().max().item(),
+                                                (hidden_out.float() - reference[1].float()).abs().max().item())
         if cuda:
             for v, ms in median_ms(variants(full), inputs, args.iters, graph=True).items():
                 single[B][f"single_{v}_ms"] = ms
     full.setup_caches(1, 1, device=device, dtype=dtype)
-    shared = [None] * world
-    dist.all_gather_object(shared, single)
+    shared = [single] if fake else [None] * world
+    if not fake:
+        dist.all_gather_object(shared, single)
     for row in results:
         for part in shared:
             row.update(part.get(row["batch"], {}))
     if rank == 0 and args.out:
-        args.out.write_text(json.dumps({"device": f"{world} x {name}", "torch": torch.__version__, "results": results,
-                                        "report": str(report)}, indent=1))
+        meta = {"device": f"{processes} x {name}", "tp": world, "collectives_free": fake, "torch": torch.__version__}
+        args.out.write_text(json.dumps({**meta, "results": results, "report": str(report)}, indent=1))
     if cuda:
-        say(table(results, world))
+        say(table(results, world, fake))
     dist.destroy_process_group()
 
 
