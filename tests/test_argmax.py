@@ -769,7 +769,6 @@ return (squeeze_dims, reshape_default_4)""")
 [argmax] rewrote log_softmax -> argmax: log_softmax -> argmax along dim 1: indices = top1_lse(logits) index (one pass)
 [argmax] rewrote log_softmax -> gather: log_softmax -> gather along dim 1 at its own arg-max: values = top1_lse value (one pass)""")
 
-
     def test_a_16_bit_value_comes_rounded_from_the_op(self):
         """softmax of bf16 logits gives bf16 probabilities: the op rounds its value to bf16 itself,
         so the token and its probability need no kernel after it."""

@@ -145,7 +145,7 @@ def config_for(rows: int, vocab: int, itemsize: int, sms: int = 132) -> tuple[in
     saves). Otherwise 2 KB tiles over 4 warps, each row cut into chunks of PROGRAM_BYTES or more,
     up to 8 programs per SM."""
     vec = max(1, 16 // itemsize)
-    if rows >= sms or 4 * rows >= sms and vocab * itemsize <= WHOLE_ROW_BYTES:
+    if rows >= sms or (4 * rows >= sms and vocab * itemsize <= WHOLE_ROW_BYTES):
         if rows >= 8 * sms and itemsize <= 2:
             return 2, 4, 1
         return max(1, 8192 // (vec * 32 * 16)), 16, 1

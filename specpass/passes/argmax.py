@@ -456,8 +456,6 @@ class _Softmax:
     def gathered(self, consumer: fx.Node, dtypes: list[torch.dtype]) -> fx.Node:
         """The probabilities softmax gives the tokens `ids` of gather(p, d, ids), rounded through `dtypes`."""
         ids = bind(consumer)["index"]
-        if self.one_pass and self._is_own_index(ids):  # the sampled token's: the op's own value
-            return self._round(self.top1_lse()[3], dtypes)
         if self.one_pass:
             lse = self.top1_lse()[2]
         else:
@@ -470,10 +468,11 @@ class _Softmax:
         target, args = consumer.target, bind(consumer)
         kind = "log_softmax" if self.is_log else "softmax"
         if target is aten.gather.default:
-            own = self.one_pass and self._is_own_index(bind(consumer)["index"])
-            consumer.replace_all_uses_with(self.gathered(consumer, [self.out_dtype] + casts))
-            if own:
+            dtypes = [self.out_dtype] + casts
+            if self.one_pass and self._is_own_index(args["index"]):  # the sampled token's: the op's own value
+                consumer.replace_all_uses_with(self._round(self.top1_lse()[3], dtypes))
                 return f"{kind} -> gather along dim {self.dim} at its own arg-max: values = top1_lse value (one pass)"
+            consumer.replace_all_uses_with(self.gathered(consumer, dtypes))
             formula = "s[ids] - logsumexp(s)" if self.is_log else "exp(s[ids] - logsumexp(s))"
             return f"{kind} -> gather along dim {self.dim}: values = {formula}" + (
                 " (one pass: top1_lse)" if self.one_pass else "")
