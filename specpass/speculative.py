@@ -1,15 +1,19 @@
-"""Batched greedy speculative decoding: chain drafting (topk = 1), K draft tokens per round.
+"""Batched speculative decoding, greedy or sampled: chain drafting, K draft tokens per round.
 
     dec = Decoder(target, drafter, k=4, max_batch=len(prompts), max_len=256)
     out = dec.generate(prompts, max_new_tokens=64, eos_id=2)   # out.tokens, out.metrics
-    plain = Decoder(target, None, max_batch=..., max_len=...)  # the target's own greedy decoding
+    out = dec.generate(prompts, 64, temperature=0.6, top_p=0.95, seed=0)   # speculative sampling
+    plain = Decoder(target, None, max_batch=..., max_len=...)  # the target's own decoding
 
 One round, for a request whose last emitted token x_n sits at position n (the target has not
 seen it yet; the drafter has, and holds its guess d_1 for position n+1):
 
     draft     d_2..d_K: K-1 draft steps at positions n+1..n+K-1                        [B, K]
-    verify    the target on [x_n, d_1..d_K] at positions n..n+K -> greedy y_0..y_K     [B, K+1]
-    accept    a = the longest prefix with d_{i+1} == y_i; emit d_1..d_a (= y_0..y_{a-1}) and y_a
+    verify    the target on [x_n, d_1..d_K] at positions n..n+K -> y_0..y_K, a         [B, K+1]
+              greedy: y = its arg-maxes, a = the longest prefix with d_{i+1} == y_i; sampled:
+              draft i kept with probability min(1, p_i(d_i) / q_i(d_i)), a = the first rejected,
+              y_a drawn from norm(max(0, p_a - q_a)) (p_K: the bonus) (specpass/sampling.py)
+    accept    emit d_1..d_a (= y_0..y_{a-1}) and y_a
     catch-up  the drafter on y_0..y_K at positions n+1..n+K+1 (with the target's hidden
               states at n..n+K), live row a -> d_1 of the next round
 
@@ -38,6 +42,7 @@ import torch
 from torch import Tensor
 
 import specpass
+from specpass.sampling import ACCEPT, DRAFT, TARGET, Params, accepts, draw, floor_of, key, logprobs, residual, uniform
 
 
 class Target(Protocol):
@@ -93,40 +98,103 @@ class State(NamedTuple):
 # --- the steps: pure, traceable (static shapes, no host syncs)
 
 
+class Proposal(NamedTuple):
+    """The distribution drafts were sampled from: q [..., Vd] over the draft's vocabulary, and q
+    at each draft. None where drafts are greedy: q is one-hot at the draft."""
+
+    probs: Tensor
+    at: Tensor
+
+
 def greedy(drafter: Drafter, logits: Tensor) -> Tensor:
     """Draft logits [B, Vd] -> target ids [B]. topk = 1 written the way engines write it,
     softmax -> max; specpass's arg-max pass drops the softmax. Only the index is used."""
     return drafter.to_target(torch.softmax(logits.float(), -1).max(-1).indices)
 
 
-def draft(drafter: Drafter, k: int, d1: Tensor, pos: Tensor, h: Tensor) -> Tensor:
-    """d_1 [B], n [B], the catch-up's hidden [B, Hd] -> d_1..d_K [B, K] (target ids): K-1 draft steps."""
-    drafts = [d1]
+def propose(drafter: Drafter, sampled: bool, logits: Tensor, params: Params | None,
+            pos: Tensor) -> tuple[Tensor, Proposal | None]:
+    """Draft logits [B, Vd] for position pos [B] -> (target ids [B], the proposal or None):
+    greedy, or drawn from the draft's distribution processed as the target's is."""
+    if params is None or not sampled:
+        return greedy(drafter, logits), None
+    floor = floor_of(logits, params)
+    ids = draw(logits, params, key(params.seed, pos, DRAFT), floor)
+    q = logprobs(logits, params, floor).exp()  # [B, Vd]
+    return drafter.to_target(ids), Proposal(q, q.gather(1, ids[:, None])[:, 0])
+
+
+def draft(drafter: Drafter, k: int, sampled: bool, d1: Tensor, q1: Proposal | None, pos: Tensor, h: Tensor,
+          params: Params | None) -> tuple[Tensor, Proposal | None]:
+    """d_1 [B] (and its proposal), n [B], the catch-up's hidden [B, Hd] -> d_1..d_K [B, K] (target
+    ids) and their proposals [B, K, Vd], [B, K]: K-1 draft steps."""
+    drafts, proposals = [d1], [q1]
     for i in range(1, k):
         logits, h = drafter.draft_step(drafts[-1], pos + i, h)  # d_i at position n+i -> d_{i+1}
-        drafts.append(greedy(drafter, logits))
-    return torch.stack(drafts, 1)
+        d, q = propose(drafter, sampled, logits, params, pos + i + 1)
+        drafts.append(d)
+        proposals.append(q)
+    if q1 is None:
+        return torch.stack(drafts, 1), None
+    return torch.stack(drafts, 1), Proposal(*(torch.stack(parts, 1) for parts in zip(*proposals)))
 
 
-def verify(target: Target, hidden_kind: str | None, last: Tensor, pos: Tensor,
-           d: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The target on [x_n, d] at positions n..n+K -> (its greedy tokens y [B, K+1], the hidden
-    states the drafter reads [B, K+1, Hh], or None)."""
+def verify(target: Target, hidden_kind: str | None, to_target: Callable[[Tensor], Tensor] | None, last: Tensor,
+           pos: Tensor, d: Tensor, q: Proposal | None,
+           params: Params | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The target on [x_n, d] at positions n..n+K -> (y [B, K+1]: d_1..d_a then the target's
+    token y_a, the rest padding; a [B] drafts accepted; the hidden states the drafter reads
+    [B, K+1, Hh], or None)."""
     tokens = torch.cat([last[:, None], d], 1)  # [B, K+1]
     positions = pos[:, None] + torch.arange(d.shape[1] + 1, device=d.device)  # [B, K+1]
     if hidden_kind is None:
-        return target(tokens, positions).argmax(-1), None
-    logits, hidden = target.forward_with_hidden(tokens, positions, hidden_kind)
-    return logits.argmax(-1), hidden
+        logits, hidden = target(tokens, positions), None
+    else:
+        logits, hidden = target.forward_with_hidden(tokens, positions, hidden_kind)
+    if params is None:
+        y = logits.argmax(-1)
+        return y, first_true(d != y[:, :-1]), hidden
+    return *judge(logits, d, q, params, pos, to_target), hidden
 
 
-def accept(state: State, d: Tensor, y: Tensor) -> tuple[State, Tensor, Tensor]:
-    """Drafts d [B, K] against the target's y [B, K+1] -> (next state, a [B] drafts accepted, all done [])."""
-    K = d.shape[1]
-    t = torch.arange(K + 1, device=d.device)
-    a = first_true(d != y[:, :K])  # [B] drafts accepted: d_{i+1} == y_i for i < a
+def judge(logits: Tensor, d: Tensor, q: Proposal | None, params: Params, pos: Tensor,
+          to_target: Callable[[Tensor], Tensor] | None) -> tuple[Tensor, Tensor]:
+    """Speculative sampling: the target's logits [B, K+1, V] at positions n..n+K, drafts d [B, K]
+    drawn from q (None: greedy drafts, q one-hot) -> (y [B, K+1], a [B]). The emitted tokens are
+    distributed as plain sampling from the target's processed distribution p (tests/test_sampling.py)."""
+    B, K, V = d.shape[0], d.shape[1], logits.shape[-1]
+    rows = torch.arange(B, device=d.device)
+    if K == 0:  # plain sampling: one read of the logits
+        floor = floor_of(logits[:, 0], params)
+        token = draw(logits[:, 0], params, key(params.seed, pos + 1, TARGET), floor)
+        return token[:, None], torch.zeros_like(pos)
+    log_p = logprobs(logits, params, floor_of(logits, params))  # [B, K+1, V]
+    p_d = log_p[:, :K].gather(2, d[..., None])[..., 0].exp()  # [B, K]
+    q_d = torch.ones_like(p_d) if q is None else q.at
+    u = uniform(key(params.seed, pos[:, None] + 1 + torch.arange(K, device=d.device), ACCEPT))  # [B, K]
+    a = first_true(~accepts(u, p_d, q_d))  # [B] the first rejected draft; K: all accepted
+    # y_a ~ norm(max(0, p_a - q_a)), q_K = 0 (the bonus token: p_K itself)
+    p_a = log_p[rows, a].exp()  # [B, V]
+    rejected = (a < K)[:, None]
+    at = a.clamp(max=K - 1)
+    if q is None:
+        q_a = torch.nn.functional.one_hot(d[rows, at], V).float()
+    else:
+        ids = to_target(torch.arange(q.probs.shape[-1], device=d.device))  # the draft vocabulary in target ids
+        q_a = p_a.new_zeros(B, V).index_copy(1, ids, q.probs[rows, at])
+    q_a = torch.where(rejected, q_a, 0.0)
+    as_is = Params(torch.ones_like(params.temperature), params.seed, None, None)  # temperature 1, no filter
+    token = draw(residual(p_a, q_a), as_is, key(params.seed, pos + 1 + a, TARGET))
+    y = torch.cat([d, d[:, :1]], 1).scatter(1, a[:, None], token[:, None])
+    return y, a
 
-    # This round emits y_0..y_a (d_1..d_a, then the bonus y_a), cut after an EOS and at the budget.
+
+def accept(state: State, y: Tensor, a: Tensor) -> tuple[State, Tensor]:
+    """The target's y [B, K+1] with a [B] drafts accepted -> (next state, all done [])."""
+    K = y.shape[1] - 1
+    t = torch.arange(K + 1, device=y.device)
+
+    # This round emits y_0..y_a (d_1..d_a, then the target's y_a), cut after an EOS and at the budget.
     emitting = (t <= a[:, None]) & ~state.done[:, None]  # [B, K+1]
     is_eos = (y == state.eos[:, None]) & emitting
     emitting &= t <= first_true(is_eos)[:, None]  # nothing after the first EOS
@@ -144,7 +212,7 @@ def accept(state: State, d: Tensor, y: Tensor) -> tuple[State, Tensor, Tensor]:
     # State(...) spelled out: torch 2.11's Dynamo rebuilds NamedTuple._replace as an empty tuple.
     state = State(last=last, pos=pos, out=out, count=count, limit=state.limit, eos=state.eos, done=done,
                   stats=stats)
-    return state, a, done.all()  # all done: what the host reads each round
+    return state, done.all()  # all done: what the host reads each round
 
 
 def first_true(mask: Tensor) -> Tensor:
@@ -156,42 +224,54 @@ def first_true(mask: Tensor) -> Tensor:
     return torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1).int().argmax(1)
 
 
-def catch_up(drafter: Drafter, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor) -> tuple[Tensor, Tensor]:
-    """The drafter on y_0..y_K at positions n+1..n+K+1, live row a -> (next d_1 [B], hidden [B, Hd]).
+def catch_up(drafter: Drafter, sampled: bool, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor,
+             params: Params | None) -> tuple[Tensor, Proposal | None, Tensor]:
+    """The drafter on y_0..y_K at positions n+1..n+K+1, live row a -> (next d_1 [B], its proposal,
+    hidden [B, Hd]).
 
     All K+1 rows write their K/V; only row a is sampled: the graph specpass's live-row pass rewrites.
     """
     positions = pos[:, None] + 1 + torch.arange(y.shape[1], device=y.device)  # [B, K+1]
     logits, h = drafter.catch_up(y, positions, hidden, a)
-    return greedy(drafter, logits), h
+    d1, q1 = propose(drafter, sampled, logits, params, pos + a + 2)  # the next round's d_1 is at n+a+2
+    return d1, q1, h
 
 
 class Steps(NamedTuple):
-    """A round's steps with their models bound: the functions above, or their compiled forms."""
+    """A round's steps with their models bound: the functions above, or their compiled forms.
+    `params` (the last argument of draft, verify and catch-up) is None for greedy decoding."""
 
-    draft: Callable[[Tensor, Tensor, Tensor], Tensor] | None  # (d1, pos, h) -> d; None: plain decoding
-    verify: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor | None]]  # (last, pos, d) -> y, hidden
-    accept: Callable[[State, Tensor, Tensor], tuple[State, Tensor, Tensor]]  # (state, d, y) -> state, a, done
-    catch_up: Callable[..., tuple[Tensor, Tensor]] | None  # (y, pos, hidden, a) -> d1, h
+    draft: Callable[..., tuple[Tensor, Proposal | None]] | None  # (d1, q1, pos, h, params) -> d, q; None: plain
+    verify: Callable[..., tuple[Tensor, Tensor, Tensor | None]]  # (last, pos, d, q, params) -> y, a, hidden
+    accept: Callable[[State, Tensor, Tensor], tuple[State, Tensor]]  # (state, y, a) -> state, done
+    catch_up: Callable[..., tuple[Tensor, Proposal | None, Tensor]] | None  # (y, pos, hidden, a, params) -> d1, q1, h
 
 
-def decode_round(steps: Steps, state: State, d1: Tensor | None,
-                 h: Tensor | None) -> tuple[State, Tensor | None, Tensor | None, Tensor]:
-    """One round: draft -> verify -> accept -> catch-up. -> (state, d1, h, all done)."""
+class Carry(NamedTuple):
+    """What the catch-up hands the next round: d_1, its proposal, the drafter's hidden state."""
+
+    d1: Tensor | None
+    q1: Proposal | None
+    h: Tensor | None
+
+
+def decode_round(steps: Steps, state: State, carry: Carry,
+                 params: Params | None) -> tuple[State, Carry, Tensor]:
+    """One round: draft -> verify -> accept -> catch-up. -> (state, carry, all done)."""
     pos = state.pos
     # Plain decoding verifies no drafts: an empty [B, 0] block.
-    d = steps.draft(d1, pos, h) if steps.draft is not None else pos[:, None][:, :0]
-    y, hidden = steps.verify(state.last, pos, d)
-    state, a, finished = steps.accept(state, d, y)
+    d, q = steps.draft(*carry[:2], pos, carry.h, params) if steps.draft is not None else (pos[:, None][:, :0], None)
+    y, a, hidden = steps.verify(state.last, pos, d, q, params)
+    state, finished = steps.accept(state, y, a)
     if steps.catch_up is not None:
-        d1, h = steps.catch_up(y, pos, hidden, a)
-    return state, d1, h, finished
+        carry = Carry(*steps.catch_up(y, pos, hidden, a, params))
+    return state, carry, finished
 
 
 @torch.no_grad()
-def prefill(target: Target, drafter: Drafter | None, k: int, prompts: Sequence[Sequence[int]],
-            limits: list[int], eos: list[int], max_batch: int,
-            max_len: int) -> tuple[State, Tensor | None, Tensor | None]:
+def prefill(target: Target, drafter: Drafter | None, k: int, sampled: bool, prompts: Sequence[Sequence[int]],
+            limits: list[int], eos: list[int], params: Params | None, max_batch: int,
+            max_len: int) -> tuple[State, Carry]:
     """Right-padded prompts through the target (and the drafter); emits each request's first token.
 
     Runs once per generate, uncompiled (its shapes depend on the prompts).
@@ -207,16 +287,20 @@ def prefill(target: Target, drafter: Drafter | None, k: int, prompts: Sequence[S
         logits, hidden = target(tokens[:, :P], positions[:, :P]), None
     else:
         logits, hidden = target.forward_with_hidden(tokens[:, :P], positions[:, :P], kind)
-    first = logits[torch.arange(B, device=dev), lengths - 1].argmax(-1)  # x_n, at position n = length
+    last = logits[torch.arange(B, device=dev), lengths - 1]  # [B, V]
+    if params is None:
+        first = last.argmax(-1)  # x_n, at position n = length
+    else:
+        first = draw(last, params, key(params.seed, lengths, TARGET), floor_of(last, params))
     tokens.scatter_(1, lengths[:, None], first[:, None])
 
-    d1 = h = None
+    carry = Carry(None, None, None)
     if drafter is not None:
         # A drafter that reads target states starts at position 1: row t pairs the token at t+1
         # with the target's state at t. A standalone one reads the prompt from position 0.
         o = 0 if kind is None else 1
         logits, h = drafter.catch_up(tokens[:, o:], positions[:, o:], hidden, lengths - o)
-        d1 = greedy(drafter, logits)
+        carry = Carry(*propose(drafter, sampled, logits, params, lengths + 1), h)
 
     limit = torch.tensor(limits + [0] * idle, device=dev)
     eos_t = torch.tensor(eos + [-1] * idle, device=dev)
@@ -225,7 +309,7 @@ def prefill(target: Target, drafter: Drafter | None, k: int, prompts: Sequence[S
     count = (limit > 0).long()
     state = State(last=first, pos=lengths, out=out, count=count, limit=limit, eos=eos_t,
                   done=(count >= limit) | (first == eos_t), stats=torch.zeros(k + 1, dtype=torch.long, device=dev))
-    return state, d1, h
+    return state, carry
 
 
 # --- the driver
@@ -263,19 +347,21 @@ COMPILERS = ("specpass", "inductor", "eager")
 
 
 class Decoder:
-    """Greedy decoding of `target`, speculative when `drafter` is given.
+    """Decoding of `target`, greedy or sampled, speculative when `drafter` is given.
 
     compile: "specpass" (default), "inductor", "eager" (no torch.compile), or a backend callable
       (e.g. `specpass.backend(handoff="eager")`). Every step is compiled with static shapes.
     mode: torch.compile's mode; "reduce-overhead" gives CUDA graphs (one per compiled graph).
     fused_round: compile the whole round as one graph (one CUDA graph replay per round) instead
       of one graph per step (draft, verify, accept, catch-up).
+    greedy_drafts: when sampling, draft the arg-max (q one-hot, vLLM's default) instead of drawing
+      drafts from the draft's distribution; the output distribution is the same either way.
     max_batch, max_len: the static cache shapes; `generate` pads the batch with idle rows.
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int = 4, max_batch: int,
                  max_len: int, compile: str | Callable = "specpass", mode: str | None = None,
-                 fused_round: bool = False):
+                 fused_round: bool = False, greedy_drafts: bool = False):
         _require(target, "target", Target, ("parameters", "setup_caches", "__call__"))
         if drafter is not None:
             _require(drafter, "drafter", Drafter, ("hidden_kind", "setup_caches", "catch_up", "draft_step", "to_target"))
@@ -298,17 +384,19 @@ class Decoder:
         self.device = parameter.device
         self.cudagraphs = mode == "reduce-overhead" and compile != "eager"
         self.fused_round = fused_round
+        self.greedy_drafts = greedy_drafts
         target.setup_caches(max_batch, max_len)
         if drafter is not None:
             drafter.setup_caches(max_batch, max_len)
         self.vocab_size = self._probe()
 
         kind = drafter.hidden_kind if drafter is not None else None
+        sampled = not greedy_drafts
         self.steps = Steps(
-            draft=functools.partial(draft, drafter, self.k) if drafter is not None else None,
-            verify=functools.partial(verify, target, kind),
+            draft=functools.partial(draft, drafter, self.k, sampled) if drafter is not None else None,
+            verify=functools.partial(verify, target, kind, drafter.to_target if drafter is not None else None),
             accept=accept,
-            catch_up=functools.partial(catch_up, drafter) if drafter is not None else None)
+            catch_up=functools.partial(catch_up, drafter, sampled) if drafter is not None else None)
         wrap = _compiler(compile, mode)
         if fused_round:
             self._round = wrap(functools.partial(decode_round, self.steps))
@@ -318,18 +406,28 @@ class Decoder:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                 eos_id: int | Sequence[int] | None = None, timing: bool = False) -> Output:
-        """Greedy-decode each prompt; per-request `max_new_tokens` and `eos_id` (an int or one per prompt).
+                 eos_id: int | Sequence[int] | None = None, timing: bool = False, *,
+                 temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] | None = None,
+                 top_p: float | Sequence[float] | None = None, seed: int | Sequence[int] | None = None) -> Output:
+        """Decode each prompt; per-request `max_new_tokens`, `eos_id` and sampling parameters (a
+        value for all or one per prompt).
 
+        temperature: 0 (default) is greedy decoding; > 0 samples from softmax(logits / temperature),
+          cut to the `top_k` largest logits (0: off) and then to the smallest set of mass `top_p`
+          (1: off), as plain sampling from the target would (specpass/sampling.py). Speculative
+          sampling keeps that distribution exactly. seed: one int (each request gets its own
+          stream of it) or one per request; the same seeds give the same tokens. None: a fresh one.
         timing=True also splits the round time into its steps (steps compiled apart): CUDA events
         (the host clock on CPU) after each step, read once at the end, so no sync is added.
         """
         B = len(prompts)
         limits = _per_request(max_new_tokens, B, "max_new_tokens", low=1)
         eos = _per_request(-1 if eos_id is None else eos_id, B, "eos_id", low=-1)  # -1: none
+        params = Params.make(B, self.max_batch, self.device, temperature, top_k, top_p, seed)  # None: greedy
         prompts = self._check(prompts, limits)
         start = self._clock()
-        state, d1, h = prefill(self.target, self.drafter, self.k, prompts, limits, eos, self.max_batch, self.max_len)
+        state, carry = prefill(self.target, self.drafter, self.k, not self.greedy_drafts, prompts, limits, eos,
+                               params, self.max_batch, self.max_len)
         prefill_end = self._clock()
 
         timer = _PhaseTimer(self.device) if timing and not self.fused_round else None
@@ -341,9 +439,9 @@ class Decoder:
                 torch.compiler.cudagraph_mark_step_begin()
             if timer is not None:
                 timer.mark("between")
-            state, d1, h, finished = run_round(state, d1, h)
+            state, carry, finished = run_round(state, carry, params)
             if self.cudagraphs:  # the next replay overwrites this one's outputs
-                state, d1, h = _clone(state, d1, h)
+                state, carry = _clone(state), _clone(carry)
             rounds += 1
             if flags.push(finished):  # the round's one host sync
                 rounds -= flags.lag  # a round run after all were done emitted nothing
@@ -461,9 +559,14 @@ def _require(model: Any, role: str, protocol: type, members: tuple[str, ...]) ->
                         f"specpass.speculative.{protocol.__name__}")
 
 
-def _clone(state: State, *tensors: Tensor | None) -> tuple:
-    """Copies of a CUDA-graph replay's outputs, which the next replay overwrites."""
-    return (State(*(t.clone() for t in state)), *(None if t is None else t.clone() for t in tensors))
+def _clone(value: Any) -> Any:
+    """A copy of a CUDA-graph replay's outputs (tensors in nested tuples), which the next replay overwrites."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        items = map(_clone, value)
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
 
 
 class _DoneFlags:

@@ -155,7 +155,7 @@ def test_explain_catch_up_shows_the_live_row_gather(target):
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 256, (3, k + 1), generator=g)
     hidden = torch.randn(3, k + 1, 3 * target.config.hidden_size, generator=g)
-    args = (y, torch.tensor([4, 11, 2]), hidden, torch.tensor([0, 4, 2]))
+    args = (y, torch.tensor([4, 11, 2]), hidden, torch.tensor([0, 4, 2]), None)  # params None: greedy
     report = specpass.explain(dec.steps.catch_up, *args)
     live = [f for f in report.of("live_rows") if f.fired]
     assert live and live[0].rows == (3 * (k + 1), 3), str(report)

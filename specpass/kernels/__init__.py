@@ -46,3 +46,25 @@ def _(logits: Tensor, log: bool = False, dtype: torch.dtype | None = None) -> tu
     rows = logits.shape[0]
     return (logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.float32),
             logits.new_empty(rows, dtype=torch.float32), logits.new_empty(rows, dtype=dtype or torch.float32))
+
+
+@torch.library.custom_op("specpass::sample", mutates_args=())
+def sample(logits: Tensor, temperature: Tensor, key: Tensor, floor: Tensor | None = None) -> Tensor:
+    """logits [R, V] (any float dtype), temperature [R] fp32, key [R] int64, floor [R] fp32 or None
+    -> [R] int64: a draw from softmax(x / T) over the entries x >= floor (x: the fp32 logits), by
+    the Gumbel-max trick with the noise of `specpass.sampling.gumbel(key, column)`; where T is 0
+    the first arg-max of x (floor and noise unused). The distribution is specpass.sampling.logprobs'."""
+    from specpass.sampling import gumbel
+
+    x = logits.float()
+    T = temperature[:, None]
+    s = x / torch.where(T > 0, T, 1.0)
+    if floor is not None:
+        s = torch.where(x >= floor[:, None], s, float("-inf"))
+    drawn = (s + gumbel(key, torch.arange(x.shape[-1], device=x.device))).argmax(-1)
+    return torch.where(temperature > 0, drawn, x.argmax(-1))
+
+
+@sample.register_fake
+def _(logits: Tensor, temperature: Tensor, key: Tensor, floor: Tensor | None = None) -> Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)

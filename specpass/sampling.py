@@ -1,0 +1,197 @@
+"""Sampling, as the loop defines it: counter-based random numbers, temperature / top-k / top-p, and
+the accept / residual step of speculative sampling. Pure torch ops on device tensors with static
+shapes: traceable, fused by Inductor, safe inside CUDA graphs (no generator state anywhere).
+
+    params = Params.make(B, B, device, temperature=0.6, top_k=50, top_p=0.95, seed=0)  # per request
+    floor = floor_of(logits, params)                   # [R] the top-k/top-p threshold (None: no filter)
+    token = torch.ops.specpass.sample(logits, params.temperature, key(params.seed, pos, TARGET), floor)
+
+A token's distribution is softmax(x / T) over the entries x >= floor, where x are the fp32 logits
+(`logprobs` below writes it out; the sample op draws from it by the Gumbel-max trick, one read of
+the logits). Temperature 0 is greedy: the first arg-max, with probability 1.
+
+Random numbers are a pure function of (the request's seed, a position, a stream): `uniform`
+hashes them (murmur3's 32-bit finaliser, computed exactly in int64 so that torch on any device,
+Inductor's C++ and Triton give the same bits). A run is reproducible from its seeds whatever the
+batch, the compiler or the device (up to float rounding in the transcendental functions), and a
+CUDA graph replays no stale random state. Each emitted token consumes its own keys: a draft at
+position m uses (DRAFT, m), its accept test (ACCEPT, m), and a token the target samples there
+(TARGET, m): the residual at a rejection, the bonus, or plain sampling. A draw that decided nothing
+emitted (a draft past the first rejection) may be drawn again at the same key in a later round:
+it is independent of everything emitted, so nothing is biased.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+DRAFT, ACCEPT, TARGET = 1, 2, 3  # streams
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+
+
+class Params(NamedTuple):
+    """Per-request sampling parameters, on the device. top_k / top_p are None when no request in
+    the batch filters (a graph without the threshold's sort)."""
+
+    temperature: Tensor  # [B] fp32; 0: greedy
+    seed: Tensor  # [B] int64
+    top_k: Tensor | None  # [B] int64; 0: off
+    top_p: Tensor | None  # [B] fp32; 1: off
+
+    @staticmethod
+    def make(batch: int, rows: int, device: torch.device, temperature: float | Sequence[float] = 1.0,
+             top_k: int | Sequence[int] | None = None, top_p: float | Sequence[float] | None = None,
+             seed: int | Sequence[int] | None = None) -> "Params | None":
+        """One value for every one of `batch` requests or one per request, padded to `rows` with
+        idle rows (greedy); None when every request is greedy (temperature 0). An int seed gives
+        each request its own stream (seed, request index); None draws one from torch's generator."""
+        temperature = _per_request(temperature, batch, "temperature", float, lambda t: t >= 0 and t < float("inf"),
+                                   ">= 0 and finite (0: greedy)")
+        top_k = None if top_k is None else _per_request(top_k, batch, "top_k", int, lambda k: k >= 0, ">= 0 (0: off)")
+        top_p = None if top_p is None else _per_request(top_p, batch, "top_p", float, lambda p: 0 < p <= 1,
+                                                        "in (0, 1] (1: off)")
+        if not any(t > 0 for t in temperature):
+            return None
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        if isinstance(seed, Sequence):
+            seeds = _per_request(seed, batch, "seed", int, lambda s: s >= 0, ">= 0")
+        else:
+            (base,) = _per_request(seed, 1, "seed", int, lambda s: s >= 0, ">= 0")
+            seeds = [base * 0x100000 + b for b in range(batch)]  # request b's own stream
+        top_k, top_p = top_k or [0] * batch, top_p or [1.0] * batch
+        on = any(t > 0 and (k > 0 or p < 1) for t, k, p in zip(temperature, top_k, top_p))  # the graph sorts
+        idle = rows - batch
+        return Params(
+            temperature=torch.tensor(temperature + [0.0] * idle, dtype=torch.float32, device=device),
+            seed=torch.tensor([s % 2**63 for s in seeds] + [0] * idle, dtype=torch.int64, device=device),
+            top_k=torch.tensor(top_k + [0] * idle, dtype=torch.int64, device=device) if on else None,
+            top_p=torch.tensor(top_p + [1.0] * idle, dtype=torch.float32, device=device) if on else None)
+
+
+
+def _per_request(value, n: int, name: str, kind: type, ok, rule: str) -> list:
+    per_request = isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+    values = list(value) if per_request else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{name} has {len(values)} values for {n} prompts: pass one per prompt, or one value for all")
+    checked = []
+    for i, v in enumerate(values):
+        good_type = isinstance(v, numbers.Real) and not isinstance(v, bool) and (
+            kind is float or isinstance(v, numbers.Integral))
+        if not good_type or not ok(v):
+            where = f"[{i}]" if per_request else ""
+            raise ValueError(f"{name}{where} must be {'an int' if kind is int else 'a number'} {rule}, got {v!r}")
+        checked.append(kind(v))
+    return checked
+
+
+# --- counter-based random numbers
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow (16-bit halves)."""
+    lo = (x & 0xFFFF) * c
+    hi = ((x >> 16) * c) & 0xFFFF
+    return (lo + (hi << 16)) & _M32
+
+
+def mix32(x: Tensor) -> Tensor:
+    """murmur3's finaliser: a bijection of [0, 2**32) with full avalanche (int64 tensors)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def key(seed: Tensor, position: Tensor, stream: int) -> Tensor:
+    """The key of a request's draw at `position` in `stream`: seed [B] (or broadcastable), position
+    [B, ...] int64 -> int64 in [0, 2**32), the shape of position."""
+    seed = seed.reshape(seed.shape + (1,) * (position.dim() - seed.dim()))
+    s = mix32((seed & _M32) ^ mix32(((seed >> 32) & _M32) ^ _GOLDEN))
+    return mix32(mix32(s ^ stream) ^ (position & _M32))
+
+
+def uniform(keys: Tensor, columns: Tensor | None = None) -> Tensor:
+    """fp32 uniforms in (0, 1): one per key, or [*keys.shape, V] for columns [V] (24 random bits,
+    the midpoint of their interval: never 0 or 1)."""
+    h = keys if columns is None else mix32(keys[..., None] ^ mix32(columns ^ _GOLDEN))
+    return ((h >> 8).float() + 0.5) * 2.0**-24
+
+
+def gumbel(keys: Tensor, columns: Tensor) -> Tensor:
+    """-log(-log(u)): argmax(s + gumbel) is a draw from softmax(s)."""
+    return -torch.log(-torch.log(uniform(keys, columns)))
+
+
+# --- the distribution of a token
+
+
+def _per_row(t: Tensor, x: Tensor) -> Tensor:
+    """A request's parameter [B] beside logits x [B, ..., V]: [B, 1, ..., 1]."""
+    return t.reshape(t.shape + (1,) * (x.dim() - 1))
+
+
+def floor_of(logits: Tensor, params: Params) -> Tensor | None:
+    """The top-k / top-p threshold of each row, on the fp32 logits: [B, ..., V] -> [B, ...] (None:
+    no filter); params are per request, [B].
+
+    top-k keeps the entries >= the k-th largest; top-p then keeps, in descending order, those
+    whose probability mass before them (under temperature and the top-k cut) is < p: the smallest
+    set reaching p, as transformers' TopPLogitsWarper. Ties at a threshold are all kept. One sort
+    of each row; rows of temperature 0 ignore the floor.
+    """
+    if params.top_k is None:
+        return None
+    x = logits.float()
+    V = x.shape[-1]
+    ranked = x.sort(-1, descending=True).values  # [B, ..., V]
+    k = _per_row(torch.where(params.top_k > 0, params.top_k.clamp(max=V), V), x)
+    floor_k = ranked.gather(-1, (k - 1).expand(*x.shape[:-1], 1))  # [B, ..., 1]
+    T = _per_row(params.temperature, x).clamp_min(1e-30)
+    p = torch.softmax(torch.where(ranked >= floor_k, ranked / T, float("-inf")), -1)
+    before = p.cumsum(-1) - p  # mass strictly before each entry
+    kept = (before < _per_row(params.top_p, x)).sum(-1, keepdim=True).clamp(min=1)  # the top entry is always kept
+    return torch.maximum(floor_k, ranked.gather(-1, kept - 1))[..., 0]
+
+
+def logprobs(logits: Tensor, params: Params, floor: Tensor | None) -> Tensor:
+    """log of the distribution a token is sampled from: [B, ..., V] logits -> fp32, same shape (-inf
+    outside the floor; temperature 0: 0 at the first arg-max, -inf elsewhere)."""
+    x = logits.float()
+    T = _per_row(params.temperature, x)
+    s = x / torch.where(T > 0, T, 1.0)
+    if floor is not None:
+        s = torch.where(x >= floor[..., None], s, float("-inf"))
+    greedy = torch.where(torch.arange(x.shape[-1], device=x.device) == x.argmax(-1, keepdim=True), 0.0,
+                         float("-inf"))
+    return torch.where(T > 0, torch.log_softmax(s, -1), greedy)
+
+
+def draw(logits: Tensor, params: Params, keys: Tensor, floor: Tensor | None = None) -> Tensor:
+    """A token from each row's distribution (see `logprobs`): [R, V] -> [R] int64, one read of
+    the logits (torch.ops.specpass.sample)."""
+    import specpass.kernels  # noqa: F401  registers the op
+
+    return torch.ops.specpass.sample(logits, params.temperature, keys, floor)
+
+
+# --- speculative sampling (Leviathan et al. 2023, Chen et al. 2023)
+
+
+def accepts(u: Tensor, p: Tensor, q: Tensor) -> Tensor:
+    """Draft accepted with probability min(1, p / q): u < p / q, with q > 0 (the draft was drawn from q)."""
+    return u * q < p
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:
+    """log norm(max(0, p - q)) (unnormalised: the sample op needs no normaliser): where the token at
+    the first rejection is drawn from. q = 0 (no draft: the bonus token) gives log p."""
+    return torch.log((p - q).clamp_min(0))
