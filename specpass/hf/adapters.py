@@ -95,6 +95,11 @@ class HFTarget(nn.Module):
         self.window: int | None = None
 
     def setup_caches(self, max_batch: int, max_len: int) -> None:
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and max_len > limit:  # a learned position table has no row past it (GPT-2)
+            raise ValueError(f"the cache needs {max_len} positions (the longest prompt + max_new_tokens + 2K + 1) "
+                             f"but {type(self.model).__name__} was made for {limit} positions: lower max_new_tokens "
+                             "or shorten the prompts")
         self.window = sliding_window(self.model.config, max_len)
         self.cache = PositionCache(self.model.config.num_hidden_layers, max_len)
 
