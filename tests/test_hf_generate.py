@@ -17,6 +17,7 @@ import specpass
 from models import zoo
 from models.drafters import ZooDrafter
 from models.eagle3 import Eagle3Config
+from specpass.hf.adapters import HFTarget
 
 V, NEW, K = 96, 12, 4
 SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)  # decisive logits
@@ -93,7 +94,7 @@ def test_eagle3_head_equals_generate(family):
 
 def test_eagle3_reads_transformers_hidden_states_2_mid_and_l_minus_3():
     model = build("llama", num_hidden_layers=6)
-    target = specpass.hf.adapters.HFTarget(model)
+    target = HFTarget(model)
     target.setup_caches(2, 16)
     tokens = IDS[:2, :5]
     with torch.no_grad():
