@@ -106,7 +106,7 @@ class HFTarget(nn.Module):
     def run(self, tokens: Tensor, positions: Tensor, hidden_states: bool = False):
         """tokens, positions [B, T] -> the model's output (logits [B, T, V])."""
         self.cache.positions = positions
-        mask = visible(positions, self.cache.max_cache_len, self.window, self.model.dtype)  # [B, 1, T, S]
+        mask = visible(positions, self.cache.slots, self.window, self.model.dtype)  # [B, 1, T, S]
         return self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
                           past_key_values=self.cache, use_cache=True, output_hidden_states=hidden_states)
 

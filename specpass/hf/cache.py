@@ -33,7 +33,7 @@ class PositionLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         B, heads, _, _ = key_states.shape
-        S = self.cache.max_cache_len
+        S = self.cache.slots
         self.keys = key_states.new_zeros(B, heads, S, key_states.shape[-1])
         self.values = value_states.new_zeros(B, heads, S, value_states.shape[-1])
         torch._dynamo.mark_static_address(self.keys)  # CUDA graphs: not copied in per replay
@@ -52,20 +52,20 @@ class PositionLayer(CacheLayerMixin):
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.max_cache_len, 0
+        return self.cache.slots, 0
 
     def get_seq_length(self) -> int:
         return 0  # unused: the loop always passes position_ids and a 4D mask
 
     def get_max_length(self) -> int:
-        return self.cache.max_cache_len
+        return self.cache.slots
 
 
 class PositionCache(Cache):
-    """`num_layers` `PositionLayer`s of `max_cache_len` slots; set `positions` [B, T] before each forward."""
+    """`num_layers` `PositionLayer`s of `slots` positions each; set `positions` [B, T] before each forward."""
 
-    def __init__(self, num_layers: int, max_cache_len: int):
-        self.max_cache_len = max_cache_len
+    def __init__(self, num_layers: int, slots: int):
+        self.slots = slots
         self.positions: Tensor | None = None
         super().__init__(layers=[PositionLayer(self) for _ in range(num_layers)])
 
