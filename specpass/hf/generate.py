@@ -9,6 +9,7 @@ The loop is specpass's `Decoder` (specpass/speculative.py) over the adapters in 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import logging
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch import Tensor
+from transformers import PreTrainedModel
 
 import specpass
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair
@@ -36,7 +38,8 @@ class GenerateOutput:
     rewrites: dict[str, list[str]]  # per compiled step (draft, verify, accept, catch_up): what specpass rewrote
 
 
-_last: tuple[tuple, Decoder, "_Recorder | None"] | None = None  # the last Decoder built: reused for the same key
+KEEP = 4  # compiled Decoders kept for reuse: one per (models, K, batch size, cache length, compile options)
+_built: collections.OrderedDict[tuple, tuple[Decoder, "_Recorder | None"]] = collections.OrderedDict()
 
 
 @torch.no_grad()
@@ -60,9 +63,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     sampling (`temperature`, `top_k`, `top_p`, `seed`, with do_sample=True): passed to the loop
       once it samples.
     """
-    global _last
     check_model(model, "model")
-    if isinstance(assistant_model, nn.Module) and hasattr(assistant_model, "config"):
+    standalone = isinstance(assistant_model, PreTrainedModel)  # else None or a specpass Drafter
+    if standalone:
         check_model(assistant_model, "assistant_model")
         check_pair(model, assistant_model, (tokenizer, assistant_tokenizer))
     k = num_assistant_tokens if assistant_model is not None else 0
@@ -79,19 +82,21 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     mode = mode if mode is not None else "reduce-overhead" if cuda else None
     fused_round = fused_round if fused_round is not None else cuda
     key = (id(model), id(assistant_model), k, len(prompts), cache_len or need, compile, mode, fused_round)
-    if _last is None or _last[0] != key:
-        _last = None  # frees the previous Decoder's caches before allocating new ones
-        recorder = _Recorder(specpass.backend() if compile == "specpass" else compile) if callable(
-            compile) or compile == "specpass" else None
-        drafter = HFDrafter(assistant_model) if isinstance(assistant_model, nn.Module) and hasattr(
-            assistant_model, "config") else assistant_model
+    if key not in _built:
+        while len(_built) >= KEEP:  # the oldest goes first, freeing its caches before new ones are allocated
+            _built.popitem(last=False)
+        backend = specpass.backend() if compile == "specpass" else compile
+        recorder = _Recorder(backend) if callable(backend) else None  # "inductor", "eager": nothing to report
+        drafter = HFDrafter(assistant_model) if standalone else assistant_model
         decoder = Decoder(HFTarget(model), drafter, k=max(k, 1), max_batch=len(prompts), max_len=cache_len or need,
-                          compile=recorder or compile, mode=mode, fused_round=fused_round)
-        _last = (key, decoder, recorder)
-    _, decoder, recorder = _last
+                          compile=recorder or backend, mode=mode, fused_round=fused_round)
+        _built[key] = (decoder, recorder)
+    _built.move_to_end(key)
+    decoder, recorder = _built[key]
 
     out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)
     width = max(map(len, out.tokens))
+    # pad is None only without an EOS: then every row has the same length and no padding.
     sequences = torch.cat([input_ids, input_ids.new_full((len(prompts), width), -1 if pad is None else pad)], 1)
     for b, tokens in enumerate(out.tokens):
         sequences[b, input_ids.shape[1]:][: len(tokens)] = torch.tensor(tokens)
