@@ -181,3 +181,18 @@ def test_refuses_right_padding_and_several_eos_ids_and_too_many_positions():
 
 def test_refuses_a_drafter_that_is_neither():
     _refusal("lacks", error=TypeError, assistant_model=object())
+
+
+def test_sliding_window_in_the_mask_equals_generate():
+    model, draft = build("mistral", sliding_window=4), build("mistral", noise=0.1, sliding_window=4)
+    out = ours(model, IDS, MASK, assistant_model=draft, num_assistant_tokens=K)
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    assert not torch.equal(out.sequences, reference(build("mistral"), IDS, MASK))  # the window matters
+
+
+def test_refuses_mixed_sliding_and_full_layers_and_the_last_hidden_state():
+    _refusal("one mask", model=build("qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=2))
+    target = HFTarget(build("llama"))
+    target.setup_caches(1, 8)
+    with pytest.raises(ValueError, match="'eagle3'"):
+        target.forward_with_hidden(IDS[:1, :2], torch.arange(2)[None], "last")
