@@ -62,7 +62,8 @@ class Bench:
         self.mode = "reduce-overhead" if cuda else None
 
         def hf(path):
-            return LlamaForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa").to(self.device).eval()
+            model = LlamaForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
+            return model.to(self.device).eval()
 
         self.model, self.draft = hf(TARGET), hf(DRAFT)
         embed = {"embed_tokens.weight": self.model.get_input_embeddings().weight}
@@ -171,7 +172,8 @@ def sweep(args) -> list[dict]:
         for name, r in results.items():
             seconds = statistics.median(r["runs"])
             rows.append(dict(env, variant=name, bs=bs, tokens_per_s=bs * args.new_tokens / seconds,
-                             accept_length=r["accept_length"], agree=r["tokens"] == reference, compile_s=r["compile_s"]))
+                             accept_length=r["accept_length"], agree=r["tokens"] == reference,
+                             compile_s=r["compile_s"]))
         torch._dynamo.reset()
     return rows + tiny_qwen3(args)
 

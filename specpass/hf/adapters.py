@@ -118,7 +118,8 @@ class HFTarget(nn.Module):
         `hidden_states[i]`, i in (2, L//2, L-3), as EAGLE-3 reads them."""
         if kind != "eagle3":  # "last" (NextN/MTP) is the state before the final norm, which HF does not report
             raise ValueError(f"a transformers target gives EAGLE-3's hidden states (kind 'eagle3') only, not {kind!r}: "
-                             "it reports its last layer after the final norm; use an EAGLE-3 head or a standalone draft")
+                             "it reports its last layer after the final norm; use an EAGLE-3 head or a standalone "
+                             "draft")
         out = self.run(tokens, positions, hidden_states=True)
         states = out.hidden_states  # L + 1: the embeddings, then the input of each later layer
         L = len(states) - 1

@@ -76,7 +76,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
 
     need = max(map(len, prompts)) + max_new_tokens + 2 * k + 1
     if cache_len is not None and cache_len < need:
-        raise ValueError(f"cache_len {cache_len} is shorter than the longest prompt + max_new_tokens + 2K + 1 = {need}: "
+        raise ValueError(f"cache_len {cache_len} is shorter than the longest prompt + max_new_tokens + 2K + 1 = "
+                         f"{need}: "
                          f"raise it to {need} or more")
     cuda = model.device.type == "cuda"
     mode = mode if mode is not None else "reduce-overhead" if cuda else None
