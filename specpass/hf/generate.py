@@ -77,8 +77,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     need = max(map(len, prompts)) + max_new_tokens + 2 * k + 1
     if cache_len is not None and cache_len < need:
         raise ValueError(f"cache_len {cache_len} is shorter than the longest prompt + max_new_tokens + 2K + 1 = "
-                         f"{need}: "
-                         f"raise it to {need} or more")
+                         f"{need}: raise it to {need} or more")
     cuda = model.device.type == "cuda"
     mode = mode if mode is not None else "reduce-overhead" if cuda else None
     fused_round = fused_round if fused_round is not None else cuda
@@ -89,7 +88,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
         backend = specpass.backend() if compile == "specpass" else compile
         recorder = _Recorder(backend) if callable(backend) else None  # "inductor", "eager": nothing to report
         drafter = HFDrafter(assistant_model) if standalone else assistant_model
-        decoder = Decoder(HFTarget(model), drafter, k=max(k, 1), max_batch=len(prompts), max_len=cache_len or need,
+        decoder = Decoder(HFTarget(model), drafter, k=k, max_batch=len(prompts), max_len=cache_len or need,
                           compile=recorder or backend, mode=mode, fused_round=fused_round)
         _built[key] = (decoder, recorder)
     _built.move_to_end(key)
