@@ -4,6 +4,7 @@
     torch.compile(draft_step, backend="specpass")               # entry point
     torch.compile(draft_step, backend=specpass.backend(q_slice=False))
     print(specpass.explain(draft_step, *args))                  # what the passes would do
+    out = specpass.generate(hf_model, input_ids, assistant_model=draft, max_new_tokens=64)  # transformers
     program = specpass.export(step_module, args)                # torch.export, rewritten
 """
 
@@ -30,9 +31,17 @@ __all__ = [
     "capture",
     "explain",
     "export",
+    "generate",
     "register_row_rule",
     "rewrite",
 ]
+
+
+def generate(*args, **kwargs):
+    """Speculative decoding of a transformers causal LM, as `model.generate` (specpass.hf.generate.generate)."""
+    from specpass.hf.generate import generate as run  # lazily: `import specpass` does not import transformers
+
+    return run(*args, **kwargs)
 
 
 class _BackendModule(types.ModuleType):

@@ -1,0 +1,247 @@
+"""specpass.generate on transformers models against transformers' own generate and the zoo loop.
+
+    python benchmarks/hf_generate.py --out hf_generate.json       # GPU: bs 1, 8, 32, 64, bf16
+    python benchmarks/hf_generate.py --quick --device cpu          # a smoke test of the script
+
+The shipped pair loaded by transformers (`LlamaForCausalLM.from_pretrained`: checkpoints/stdlib-llama
+and the standalone draft stdlib-llama-draft; the EAGLE-3 head stdlib-llama-eagle3 through the zoo
+loader, on the transformers target's embedding). Variants, greedy, no EOS, the same new tokens per
+request, the held-out prompts (checkpoints/prompts.json, byte tokenizer models/text.py), left-padded:
+  specpass/plain    specpass.generate(model): the target alone, compiled as below
+  specpass/draft    specpass.generate(model, assistant_model=the transformers draft)
+  specpass/eagle3   specpass.generate(model, assistant_model=ZooDrafter(EAGLE-3 head))
+  zoo/draft, zoo/eagle3  specpass's Decoder on the zoo's Llama with the same weights
+  hf-static         model.generate(cache_implementation="static") with model.forward compiled
+                    (torch.compile(mode="reduce-overhead", fullgraph=True)), as transformers' docs say
+  hf-assisted       model.generate(assistant_model=the draft): bs 1 only (transformers' limit), eager
+Ours: specpass with Inductor, CUDA graphs and the fused round on a GPU (specpass.generate's defaults);
+on CPU the rewritten graphs run eagerly (--quick: no torch.compile at all). Every variant runs once
+to compile and warm up; then `--repeats` interleaved passes over the variants of a batch size,
+median tokens/s (new tokens over generate's wall time, prefill included). "agree": the new tokens
+equal specpass/plain's. Last, a tiny random Qwen3 pair (specpass/draft and hf-assisted at bs 1),
+to show another family runs; no speed is claimed from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CHECKPOINTS = ROOT / "checkpoints"
+TARGET, DRAFT, EAGLE3 = (CHECKPOINTS / n for n in ("stdlib-llama", "stdlib-llama-draft", "stdlib-llama-eagle3"))
+
+
+class Bench:
+    def __init__(self, args):
+        import torch
+        from transformers import LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from models.checkpoint import load
+        from models.drafters import ZooDrafter, load_drafter
+        from models.eagle3 import Eagle3Head
+        from models.llama import Llama
+
+        hf_logging.disable_progress_bar()
+        for name in ("cache_size_limit", "recompile_limit"):  # every variant compiles the same step functions
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 1024)
+        self.torch, self.args = torch, args
+        self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
+        cuda = self.device.type == "cuda"
+        self.compile = "specpass" if cuda else "eager" if args.quick else _cpu_backend()
+        self.mode = "reduce-overhead" if cuda else None
+
+        def hf(path):
+            model = LlamaForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
+            return model.to(self.device).eval()
+
+        self.model, self.draft = hf(TARGET), hf(DRAFT)
+        embed = {"embed_tokens.weight": self.model.get_input_embeddings().weight}
+        self.eagle3 = ZooDrafter(load(Eagle3Head, EAGLE3, device=self.device, dtype=self.dtype, shared=embed))
+        self.zoo = load(Llama, TARGET, device=self.device, dtype=self.dtype)
+        self.zoo_drafters = {kind: load_drafter(self.zoo, kind, path, device=self.device, dtype=self.dtype)
+                             for kind, path in (("draft", DRAFT), ("eagle", EAGLE3))}
+
+    def prompts(self, bs: int) -> list[list[int]]:
+        from models.text import encode, load_prompts
+
+        return [encode(t) for t in itertools.islice(itertools.cycle(load_prompts()), bs)]
+
+    def variants(self, bs: int):
+        """name -> a function of the prompts that generates and returns the new tokens per request
+        (the first call compiles); built fresh per batch size."""
+        import specpass
+        from specpass.speculative import Decoder
+
+        new, k = self.args.new_tokens, self.args.k
+
+        def ours(assistant):
+            def run(ids, mask, prompts):
+                out = specpass.generate(self.model, ids, attention_mask=mask, assistant_model=assistant,
+                                        max_new_tokens=new, num_assistant_tokens=k, compile=self.compile,
+                                        mode=self.mode, return_dict_in_generate=True)
+                return out.sequences[:, ids.shape[1]:].tolist(), out.metrics.accept_length
+            return run
+
+        def zoo(kind):
+            target, drafter = copy.deepcopy((self.zoo, self.zoo_drafters[kind]))
+            decoders = {}
+
+            def run(ids, mask, prompts):
+                if not decoders:
+                    max_len = max(map(len, prompts)) + new + 2 * k + 1
+                    decoders[0] = Decoder(target, drafter, k=k, max_batch=len(prompts), max_len=max_len,
+                                          compile=self.compile, mode=self.mode, fused_round=self.device.type == "cuda")
+                out = decoders[0].generate(prompts, new)
+                return out.tokens, out.metrics.accept_length
+            return run
+
+        found = {"specpass/plain": ours(None), "specpass/draft": ours(self.draft), "specpass/eagle3": ours(self.eagle3),
+                 "zoo/draft": zoo("draft"), "zoo/eagle3": zoo("eagle"), "hf-static": self.hf_static()}
+        if bs == 1:
+            found["hf-assisted"] = self.hf_generate(self.model, dict(assistant_model=self.draft))
+        return {name: run for name, run in found.items() if name in self.args.variants}
+
+    def hf_static(self):
+        model = copy.copy(self.model)  # a shallow copy: its compiled forward leaves self.model's alone
+        if self.device.type == "cuda":
+            model.forward = self.torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        return self.hf_generate(model, dict(cache_implementation="static"))
+
+    def hf_generate(self, model, kwargs):
+        def run(ids, mask, prompts):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=self.args.new_tokens, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None, **kwargs)
+            return out[:, ids.shape[1]:].tolist(), None
+        return run
+
+    def timed(self, run, ids, mask, prompts) -> tuple[float, list[list[int]], float | None]:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+        start = time.perf_counter()
+        with self.torch.no_grad():
+            tokens, accept = run(ids, mask, prompts)
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+        return time.perf_counter() - start, tokens, accept
+
+
+def left_padded(torch, prompts, device):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
+def _cpu_backend():
+    import specpass
+
+    return specpass.backend(handoff="eager")  # Inductor's C++ builds would take minutes
+
+
+def sweep(args) -> list[dict]:
+    bench = Bench(args)
+    torch = bench.torch
+    where = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
+    env = dict(device=where, torch=torch.__version__, dtype=args.dtype, new_tokens=args.new_tokens, k=args.k)
+    rows = []
+    for bs in args.bs:
+        prompts = bench.prompts(bs)
+        ids, mask = left_padded(torch, prompts, bench.device)
+        variants = bench.variants(bs)
+        results = {}
+        for name, run in variants.items():  # compile and warm up
+            seconds, tokens, accept = bench.timed(run, ids, mask, prompts)
+            results[name] = dict(tokens=tokens, accept_length=accept, compile_s=seconds, runs=[])
+            print(f"  bs {bs} {name}: first call {seconds:.1f} s", file=sys.stderr)
+        for i in range(args.repeats):  # interleaved, in a rotating order: drift falls on every variant alike
+            order = list(variants)[i % len(variants):] + list(variants)[: i % len(variants)]
+            for name in order:
+                results[name]["runs"].append(bench.timed(variants[name], ids, mask, prompts)[0])
+        reference = results.get("specpass/plain", next(iter(results.values())))["tokens"]
+        for name, r in results.items():
+            seconds = statistics.median(r["runs"])
+            rows.append(dict(env, variant=name, bs=bs, tokens_per_s=bs * args.new_tokens / seconds,
+                             accept_length=r["accept_length"], agree=r["tokens"] == reference,
+                             compile_s=r["compile_s"]))
+        torch._dynamo.reset()
+    return rows + tiny_qwen3(args)
+
+
+def tiny_qwen3(args) -> list[dict]:
+    """A tiny random Qwen3 and a perturbed copy as its draft: another family, end to end (no speed claim).
+    "agree": the new tokens equal the target's own `generate(do_sample=False)`."""
+    import torch
+    import transformers
+
+    import specpass
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, initializer_range=0.2)
+    model = transformers.Qwen3ForCausalLM(config).to(args.device).eval()
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.1 * p.std() * torch.randn_like(p))
+    ids = torch.randint(3, 512, (1, 32), device=args.device)
+    common = dict(max_new_tokens=args.new_tokens, eos_token_id=None, pad_token_id=0)
+    compile = "specpass" if args.device == "cuda" else "eager"
+    runs = {"qwen3-tiny specpass/draft": lambda: specpass.generate(model, ids, assistant_model=draft, compile=compile,
+                                                                   **common),
+            "qwen3-tiny hf-assisted": lambda: model.generate(ids, assistant_model=draft, do_sample=False, **common)}
+    with torch.no_grad():
+        reference = model.generate(ids, do_sample=False, **common)
+        rows = []
+        for name, run in runs.items():
+            run()  # compiles
+            start = time.perf_counter()
+            out = run()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            rows.append(dict(variant=name, bs=1, tokens_per_s=args.new_tokens / (time.perf_counter() - start),
+                             accept_length=None, agree=torch.equal(out, reference), device=args.device))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| bs | variant | tokens/s | accepted length | agree |", "|---|---|---|---|---|"]
+    for r in rows:
+        accept = f"{r['accept_length']:.2f}" if r["accept_length"] is not None else "-"
+        lines.append(f"| {r['bs']} | {r['variant']} | {r['tokens_per_s']:.0f} | {accept} | {r['agree']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--bs", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--variants", default="specpass/plain,specpass/draft,specpass/eagle3,zoo/draft,zoo/eagle3,"
+                        "hf-static,hf-assisted", type=lambda s: s.split(","))
+    parser.add_argument("--quick", action="store_true", help="a smoke test: bs 1 and 2, 8 tokens, 1 repeat, fp32")
+    parser.add_argument("--out", type=Path, help="write the rows to this JSON file")
+    args = parser.parse_args()
+    if args.quick:
+        args.bs, args.new_tokens, args.repeats, args.dtype = [1, 2], 8, 1, "float32"
+    rows = sweep(args)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""A transformers causal LM behind specpass's `Target` and `Drafter` protocols, unmodified.
+
+    target = HFTarget(model)        # verify: logits [B, T, V]; EAGLE-3 / NextN hidden states
+    drafter = HFDrafter(draft)      # a standalone draft with the target's vocabulary
+
+Both call the model's own forward with `position_ids` [B, T] (per request), a 4D mask and a
+`PositionCache` (cache.py), so one batch holds requests at different positions. `check_model`
+refuses, up front and with what to do, the models this cannot drive exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from specpass.hf.cache import PositionCache, visible
+
+ATTENTION = ("sdpa", "eager")  # the implementations that read an arbitrary 4D mask
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_model(model: nn.Module, role: str) -> None:
+    """Raise ValueError / TypeError when specpass cannot drive `model` (role: "model" or "assistant_model")."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"{role} is a {type(model).__name__}, not a transformers PreTrainedModel: pass a causal LM "
+                        "(e.g. AutoModelForCausalLM.from_pretrained(...))")
+    config = model.config
+    name = type(model).__name__
+    if config.is_encoder_decoder:
+        raise ValueError(f"{role} ({name}) is an encoder-decoder model; specpass drives decoder-only causal LMs")
+    if getattr(model, "_is_stateful", False) or any(t not in LAYER_TYPES for t in _layer_types(config)):
+        kinds = sorted(set(_layer_types(config)) - set(LAYER_TYPES)) or ["a recurrent state"]
+        raise ValueError(f"{role} ({name}) keeps {', '.join(kinds)}: a rejected draft would have to be rolled "
+                         "back out of its state, which the loop never does (it only overwrites K/V slots); "
+                         "use an attention-only model")
+    accepts = inspect.signature(model.forward).parameters
+    missing = [p for p in ("position_ids", "past_key_values", "attention_mask") if p not in accepts]
+    if missing:
+        raise ValueError(f"{role} ({name}).forward takes no {missing}: the loop passes per-request positions, "
+                         "its own cache and a 4D mask")
+    if config._attn_implementation not in ATTENTION:
+        raise ValueError(f"{role} ({name}) uses attn_implementation={config._attn_implementation!r}, which does not "
+                         f"read a 4D mask; load it with attn_implementation='sdpa' (or 'eager')")
+
+
+def check_pair(model: nn.Module, assistant: nn.Module, tokenizers: tuple = (None, None)) -> None:
+    """Raise ValueError when a standalone draft does not share the target's vocabulary: the same
+    `vocab_size`, the same bos/eos/pad ids where both configs set them, and, when both tokenizers
+    are given, the same vocabulary."""
+    a, b = model.config, assistant.config
+    problems = []
+    if a.vocab_size != b.vocab_size:
+        problems.append(f"vocab_size: the model has {a.vocab_size}, the assistant {b.vocab_size}")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        x, y = getattr(a, key, None), getattr(b, key, None)
+        if x is not None and y is not None and x != y:
+            problems.append(f"{key}: the model has {x}, the assistant {y}")
+    if all(t is not None for t in tokenizers) and tokenizers[0].get_vocab() != tokenizers[1].get_vocab():
+        problems.append("the two tokenizers map tokens to different ids")
+    if problems:
+        raise ValueError("the assistant model does not share the model's tokenizer:\n  " + "\n  ".join(problems)
+                         + "\nspecpass verifies draft tokens id for id: use a draft trained with the same tokenizer")
+
+
+def sliding_window(config, max_len: int) -> int | None:
+    """The window every layer's mask gets, None for none. Refuses a mix of sliding and full layers
+    whose window is shorter than the cache (the loop passes one mask to all layers)."""
+    window = getattr(config, "sliding_window", None)
+    types = set(_layer_types(config))
+    if window is None or window >= max_len or types == {"full_attention"}:
+        return None
+    if "full_attention" in types:
+        raise ValueError(f"the model mixes full-attention layers with {window}-token sliding windows, shorter than "
+                         f"the {max_len}-slot cache; specpass passes one mask to every layer: shorten the prompt + "
+                         f"max_new_tokens below {window} tokens")
+    return window
+
+
+def _layer_types(config) -> list[str]:
+    return list(getattr(config, "layer_types", None) or [])
+
+
+class HFTarget(nn.Module):
+    """`specpass.speculative.Target` over a transformers causal LM (its `forward`, unchanged)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.cache: PositionCache | None = None
+        self.window: int | None = None
+
+    def setup_caches(self, max_batch: int, max_len: int) -> None:
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit is not None and max_len > limit:  # a learned position table has no row past it (GPT-2)
+            raise ValueError(f"the cache needs {max_len} positions (the longest prompt + max_new_tokens + 2K + 1) "
+                             f"but {type(self.model).__name__} was made for {limit} positions: lower max_new_tokens "
+                             "or shorten the prompts")
+        self.window = sliding_window(self.model.config, max_len)
+        self.cache = PositionCache(self.model.config.num_hidden_layers, max_len)
+
+    def run(self, tokens: Tensor, positions: Tensor, hidden_states: bool = False):
+        """tokens, positions [B, T] -> the model's output (logits [B, T, V])."""
+        self.cache.positions = positions
+        mask = visible(positions, self.cache.slots, self.window, self.model.dtype)  # [B, 1, T, S]
+        return self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
+                          past_key_values=self.cache, use_cache=True, output_hidden_states=hidden_states)
+
+    def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        return self.run(tokens, positions).logits
+
+    def forward_with_hidden(self, tokens: Tensor, positions: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+        """-> (logits [B, T, V], hidden [B, T, 3H]): for kind "eagle3", the concatenated
+        `hidden_states[i]`, i in (2, L//2, L-3), as EAGLE-3 reads them."""
+        if kind != "eagle3":  # "last" (NextN/MTP) is the state before the final norm, which HF does not report
+            raise ValueError(f"a transformers target gives EAGLE-3's hidden states (kind 'eagle3') only, not {kind!r}: "
+                             "it reports its last layer after the final norm; use an EAGLE-3 head or a standalone "
+                             "draft")
+        out = self.run(tokens, positions, hidden_states=True)
+        states = out.hidden_states  # L + 1: the embeddings, then the input of each later layer
+        L = len(states) - 1
+        if L < 3:
+            raise ValueError(f"EAGLE-3 reads layers 2, L//2 and L-3: the target needs 3 layers or more, not {L}")
+        return out.logits, torch.cat([states[i] for i in (2, L // 2, L - 3)], dim=-1)
+
+
+class HFDrafter(nn.Module):
+    """`specpass.speculative.Drafter` over a standalone transformers causal LM with the target's
+    vocabulary. Its catch-up is the plain forward, then one row per request: the gather that
+    specpass's live-row pass moves up to right after the KV writes. It carries no hidden state."""
+
+    hidden_kind = None
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.lm = HFTarget(model)
+
+    def setup_caches(self, max_batch: int, max_len: int) -> None:
+        self.lm.setup_caches(max_batch, max_len)
+
+    def catch_up(self, tokens: Tensor, positions: Tensor, hidden: None, live: Tensor) -> tuple[Tensor, Tensor]:
+        """[B, T] tokens, positions, [B] live -> (logits [B, V] of row live[b], an empty hidden [B, 0])."""
+        logits = self.lm(tokens, positions)  # [B, T, V]
+        row = logits[torch.arange(logits.shape[0], device=logits.device), live]  # [B, V]
+        return row, row[:, :0]
+
+    def draft_step(self, tokens: Tensor, positions: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """[B] token, [B] position -> (logits [B, V], the empty hidden passed in)."""
+        return self.lm(tokens[:, None], positions[:, None])[:, 0], hidden
+
+    def to_target(self, ids: Tensor) -> Tensor:
+        return ids
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.lm.model.get_input_embeddings()

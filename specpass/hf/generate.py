@@ -1,0 +1,191 @@
+"""`specpass.generate`: speculative decoding of a transformers causal LM, in `model.generate`'s terms.
+
+    out = specpass.generate(model, input_ids, attention_mask=mask, assistant_model=draft, max_new_tokens=64)
+
+Left-padded `input_ids` [B, P] and `attention_mask` in; prompt + new tokens out, [B, P + N], rows
+that stop early padded with `pad_token_id`, as `model.generate(do_sample=False)` returns them.
+The loop is specpass's `Decoder` (specpass/speculative.py) over the adapters in adapters.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import inspect
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from transformers import PreTrainedModel
+
+import specpass
+from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair
+from specpass.speculative import Decoder, Metrics
+
+SAMPLING = ("temperature", "top_k", "top_p", "seed")
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """What `generate(..., return_dict_in_generate=True)` returns."""
+
+    sequences: Tensor  # [B, P + N] prompt + new tokens, padded
+    metrics: Metrics  # accepted length, acceptance per draft position, tokens/s, ms per round
+    rewrites: dict[str, list[str]]  # per compiled step (draft, verify, accept, catch_up): what specpass rewrote
+
+
+KEEP = 4  # compiled Decoders kept for reuse: one per (models, K, batch size, cache length, compile options)
+_built: collections.OrderedDict[tuple, tuple[Decoder, "_Recorder | None"]] = collections.OrderedDict()
+
+
+@torch.no_grad()
+def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attention_mask: Tensor | None = None,
+             assistant_model: Any = None, num_assistant_tokens: int = 4, eos_token_id: int | list[int] | None = None,
+             pad_token_id: int | None = None, do_sample: bool = False, tokenizer: Any = None,
+             assistant_tokenizer: Any = None, compile: str | Callable = "specpass", mode: str | None = None,
+             fused_round: bool | None = None, cache_len: int | None = None, return_dict_in_generate: bool = False,
+             **sampling: Any) -> Tensor | GenerateOutput:
+    """Greedy (lossless) speculative decoding of `model`; see docs/hf.md.
+
+    assistant_model: None (plain decoding, compiled the same way), a transformers causal LM with the
+      model's tokenizer (a standalone draft), or any `specpass.speculative.Drafter`, e.g. an
+      EAGLE-3 head (`models.drafters.ZooDrafter`), which reads the model's hidden states.
+    num_assistant_tokens: K, the drafts per round. eos_token_id, pad_token_id: default the model's
+      generation_config's. tokenizer, assistant_tokenizer: when both are given, their vocabularies
+      must be the same. compile: "specpass", "inductor", "eager" or a backend callable; mode,
+      fused_round: default CUDA graphs ("reduce-overhead") and the fused round on a GPU.
+    cache_len: the static cache length (default: the longest prompt + max_new_tokens + 2K + 1);
+      a fixed one lets calls with other prompt lengths reuse the compiled steps.
+    sampling (`temperature`, `top_k`, `top_p`, `seed`, with do_sample=True): passed to the loop
+      once it samples.
+    """
+    check_model(model, "model")
+    standalone = isinstance(assistant_model, PreTrainedModel)  # else None or a specpass Drafter
+    if standalone:
+        check_model(assistant_model, "assistant_model")
+        check_pair(model, assistant_model, (tokenizer, assistant_tokenizer))
+    k = num_assistant_tokens if assistant_model is not None else 0
+    prompts = _prompts(input_ids, attention_mask)
+    eos = _eos(model, eos_token_id)
+    pad = next((p for p in (pad_token_id, model.generation_config.pad_token_id, eos) if p is not None), None)
+    options = _sampling(do_sample, sampling)
+
+    need = max(map(len, prompts)) + max_new_tokens + 2 * k + 1
+    if cache_len is not None and cache_len < need:
+        raise ValueError(f"cache_len {cache_len} is shorter than the longest prompt + max_new_tokens + 2K + 1 = "
+                         f"{need}: raise it to {need} or more")
+    cuda = model.device.type == "cuda"
+    mode = mode if mode is not None else "reduce-overhead" if cuda else None
+    fused_round = fused_round if fused_round is not None else cuda
+    key = (id(model), id(assistant_model), k, len(prompts), cache_len or need, compile, mode, fused_round)
+    if key not in _built:
+        while len(_built) >= KEEP:  # the oldest goes first, freeing its caches before new ones are allocated
+            _built.popitem(last=False)
+        backend = specpass.backend() if compile == "specpass" else compile
+        recorder = _Recorder(backend) if callable(backend) else None  # "inductor", "eager": nothing to report
+        drafter = HFDrafter(assistant_model) if standalone else assistant_model
+        decoder = Decoder(HFTarget(model), drafter, k=k, max_batch=len(prompts), max_len=cache_len or need,
+                          compile=recorder or backend, mode=mode, fused_round=fused_round)
+        _built[key] = (decoder, recorder)
+    _built.move_to_end(key)
+    decoder, recorder = _built[key]
+
+    out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)
+    width = max(map(len, out.tokens))
+    # pad is None only without an EOS: then every row has the same length and no padding.
+    sequences = torch.cat([input_ids, input_ids.new_full((len(prompts), width), -1 if pad is None else pad)], 1)
+    for b, tokens in enumerate(out.tokens):
+        sequences[b, input_ids.shape[1]:][: len(tokens)] = torch.tensor(tokens)
+    if not return_dict_in_generate:
+        return sequences
+    return GenerateOutput(sequences, out.metrics, dict(recorder.fired) if recorder is not None else {})
+
+
+def _prompts(input_ids: Tensor, attention_mask: Tensor | None) -> list[list[int]]:
+    """[B, P] left-padded ids and mask -> each row's prompt (the ids where the mask is 1)."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        raise TypeError(f"input_ids must be a [batch, length] tensor of token ids, got {_describe(input_ids)}")
+    if attention_mask is None:
+        return input_ids.tolist()
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {list(attention_mask.shape)} must have input_ids' shape "
+                         f"{list(input_ids.shape)}")
+    mask = attention_mask.bool()
+    if not (mask[:, :-1] <= mask[:, 1:]).all() or not mask[:, -1].all():
+        raise ValueError("attention_mask must be left padding (zeros, then ones to the end of each row, at least "
+                         "one): pad prompts on the left, as transformers' generate expects "
+                         "(tokenizer.padding_side = 'left')")
+    return [row[m].tolist() for row, m in zip(input_ids, mask)]
+
+
+def _eos(model: nn.Module, eos_token_id: int | list[int] | None) -> int | None:
+    eos = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    if len(ids) > 1:
+        raise ValueError(f"eos_token_id {list(ids)}: specpass stops each request on one EOS id; pass the one "
+                         "your prompts end with, e.g. eos_token_id=tokenizer.eos_token_id")
+    return ids[0] if ids else None
+
+
+def _sampling(do_sample: bool, sampling: dict[str, Any]) -> dict[str, Any]:
+    """The sampling keywords for `Decoder.generate`, once it takes them; {} for greedy decoding."""
+    unknown = sorted(set(sampling) - set(SAMPLING))
+    if unknown:
+        raise TypeError(f"generate() got unexpected keyword arguments {unknown}")
+    if not do_sample:
+        return {}
+    takes = inspect.signature(Decoder.generate).parameters
+    if not all(name in takes for name in sampling):
+        raise NotImplementedError("specpass's loop decodes greedily for now: pass do_sample=False (the default); "
+                                  "sampling is planned")
+    return {name: value for name, value in sampling.items() if value is not None}
+
+
+def _describe(x: Any) -> str:
+    return f"a tensor of shape {list(x.shape)}" if isinstance(x, Tensor) else f"a {type(x).__name__}"
+
+
+class _Recorder:
+    """A torch.compile backend that runs `backend` and keeps, per compiled step, the rewrites specpass
+    reports while compiling it (its log record; see specpass/backend.py)."""
+
+    def __init__(self, backend: Callable):
+        self.backend = backend
+        self.fired: dict[str, list[str]] = {}
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
+        log = logging.getLogger("specpass")
+        records: list[str] = []
+        handler = _ListHandler(records)
+        level, log.level = log.level, logging.INFO
+        log.addHandler(handler)
+        try:
+            compiled = self.backend(gm, example_inputs, **kwargs)
+        finally:
+            log.removeHandler(handler)
+            log.setLevel(level)
+        lines = [line.strip() for r in records for line in r.splitlines() if "] rewrote " in line]
+        self.fired.setdefault(_step(gm), []).extend(lines)
+        return compiled
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self, records: list[str]):
+        super().__init__(logging.INFO)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record.getMessage())
+
+
+def _step(gm: torch.fx.GraphModule) -> str:
+    """The compiled function's name: the outermost frame of any node's stack trace."""
+    for node in gm.graph.nodes:
+        frames = re.findall(r", in (\w+)", node.meta.get("stack_trace") or "")
+        if frames:
+            return frames[0]
+    return f"graph {len(gm.graph.nodes)} nodes"

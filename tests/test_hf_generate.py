@@ -1,0 +1,198 @@
+"""`specpass.generate` on transformers causal LMs equals `model.generate(do_sample=False)` token for
+token: six families as target, each with a standalone draft of its family that disagrees with it
+sometimes, and the zoo's EAGLE-3 head over a Llama and a Qwen3 target; at batch size 1 and on a
+ragged left-padded batch; EOS per request; the live-row rewrite on the draft's catch-up; the
+refusals. Tiny random configs, fp32, CPU, the steps run eagerly except in the compile test."""
+
+import copy
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import transformers
+
+import specpass
+from models import zoo
+from models.drafters import ZooDrafter
+from models.eagle3 import Eagle3Config
+from specpass.hf.adapters import HFTarget
+
+V, NEW, K = 96, 12, 4
+SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)  # decisive logits
+ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+SIZES = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4, **SPECIAL)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(SIZES, **ATTN)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(SIZES, **ATTN)),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(SIZES, **ATTN)),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(SIZES, num_attention_heads=4,
+                                                                         num_key_value_heads=2)),
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, dict(SIZES, **ATTN)),
+    "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel, dict(
+        vocab_size=V, n_embd=64, n_layer=4, n_head=4, n_positions=64, **SPECIAL)),  # absolute positions
+}
+# Left-padded, lengths 3, 7, 1 (pad id 0 never appears in a prompt).
+IDS = torch.tensor([[0, 0, 0, 0, 5, 17, 33], [8, 41, 9, 60, 12, 3, 77], [0, 0, 0, 0, 0, 0, 50]])
+MASK = (IDS != 0).long()
+
+
+def build(family, seed=0, noise=0.0, **overrides):
+    config_class, model_class, sizes = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**sizes, **overrides})).eval()
+    return perturbed(model, noise) if noise else model
+
+
+@torch.no_grad()
+def perturbed(model, noise, seed=1):
+    """A copy with every weight moved by `noise` of its spread: a draft that agrees often, not always."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    for p in draft.parameters():
+        p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
+    return draft
+
+
+def reference(model, ids, mask, **kw):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kw)
+
+
+def ours(model, ids, mask, **kw):
+    return specpass.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, compile="eager",
+                             return_dict_in_generate=True, **kw)
+
+
+def eagle3_head(target, seed=3):
+    """The zoo's EAGLE-3 head (random) sized for this transformers target."""
+    c = target.config
+    config = Eagle3Config(vocab_size=c.vocab_size, draft_vocab_size=64, hidden_size=c.hidden_size,
+                          intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          rope_theta=10000.0)
+    return ZooDrafter(zoo.build(config, seed=seed))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("rows", [[1], [0, 1, 2]], ids=["bs1", "ragged3"])
+def test_standalone_draft_equals_generate(family, rows):
+    model, draft = build(family), build(family, noise=0.1)
+    ids, mask = IDS[rows], MASK[rows]
+    out = ours(model, ids, mask, assistant_model=draft, num_assistant_tokens=K)
+    assert torch.equal(out.sequences, reference(model, ids, mask))
+    assert 1 < out.metrics.accept_length < K + 1  # some drafts rejected, some accepted
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_eagle3_head_equals_generate(family):
+    model = build(family)
+    head = eagle3_head(model)
+    out = ours(model, IDS, MASK, assistant_model=head, num_assistant_tokens=K)
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    assert out.metrics.rounds >= NEW // (K + 1)
+
+
+def test_eagle3_reads_transformers_hidden_states_2_mid_and_l_minus_3():
+    model = build("llama", num_hidden_layers=6)
+    target = HFTarget(model)
+    target.setup_caches(2, 16)
+    tokens = IDS[:2, :5]
+    with torch.no_grad():
+        logits, hidden = target.forward_with_hidden(tokens, torch.arange(5).expand(2, -1), "eagle3")
+        expected = model(tokens, output_hidden_states=True)
+    close = dict(rtol=1e-4, atol=1e-4)  # a 16-slot cache against 5 positions: other summation orders
+    torch.testing.assert_close(hidden, torch.cat([expected.hidden_states[i] for i in (2, 3, 3)], -1), **close)
+    torch.testing.assert_close(logits, expected.logits, **close)
+
+
+def test_plain_decoding_equals_generate():
+    model = build("qwen3")
+    out = ours(model, IDS, MASK)
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    assert out.metrics.accept_length == 1
+
+
+def test_eos_per_request_pads_like_generate():
+    model, draft = build("llama"), build("llama", noise=0.1)
+    free = reference(model, IDS, MASK, eos_token_id=None)
+    eos = int(free[0, IDS.shape[1] + 2])  # request 0 stops at its third new token
+    assert (free[1:, IDS.shape[1]:IDS.shape[1] + 6] != eos).any(), "the other requests go on past it"
+    expected = reference(model, IDS, MASK, eos_token_id=eos, pad_token_id=90)
+    out = ours(model, IDS, MASK, assistant_model=draft, eos_token_id=eos, pad_token_id=90)
+    assert torch.equal(out.sequences, expected)
+    assert (out.sequences[0, IDS.shape[1] + 3:] == 90).all() and out.sequences.shape[1] > IDS.shape[1] + 3
+
+
+def test_compiled_catch_up_gets_the_live_row_rewrite():
+    model, draft = build("llama"), build("llama", noise=0.1)
+    out = specpass.generate(model, IDS, attention_mask=MASK, assistant_model=draft, max_new_tokens=NEW,
+                            num_assistant_tokens=K, compile=specpass.backend(handoff="eager"),
+                            return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    assert any(line.startswith("[live_rows] rewrote") for line in out.rewrites["catch_up"]), out.rewrites
+    assert any(line.startswith("[argmax] rewrote") for line in out.rewrites["draft"]), out.rewrites
+    assert set(out.rewrites) == {"draft", "verify", "accept", "catch_up"}
+
+
+def test_import_specpass_does_not_import_transformers():
+    code = "import sys, specpass; assert 'transformers' not in sys.modules; print(specpass.generate.__name__)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "generate"
+
+
+def _refusal(match, error=ValueError, model=None, **kw):
+    with pytest.raises(error, match=match):
+        ours(model if model is not None else build("llama"), IDS, MASK, **kw)
+
+
+def test_refuses_a_draft_with_another_vocabulary():
+    _refusal("vocab_size: the model has 96, the assistant 80", assistant_model=build("llama", vocab_size=80))
+
+
+def test_refuses_a_draft_with_another_tokenizer():
+    _refusal("eos_token_id: the model has 2, the assistant 3", assistant_model=build("llama", eos_token_id=3))
+    tokenizers = [types.SimpleNamespace(get_vocab=lambda v=v: {"a": 0, "b": v}) for v in (1, 2)]
+    _refusal("different ids", assistant_model=build("llama", noise=0.1), tokenizer=tokenizers[0],
+             assistant_tokenizer=tokenizers[1])
+
+
+def test_refuses_encoder_decoder_models():
+    config = transformers.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    _refusal("encoder-decoder", model=transformers.T5ForConditionalGeneration(config))
+
+
+def test_refuses_stateful_models():
+    config = transformers.MambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, state_size=4)
+    _refusal("roll", model=transformers.MambaForCausalLM(config))
+
+
+def test_refuses_attention_without_a_4d_mask():
+    model = build("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    _refusal("attn_implementation='sdpa'", model=model)
+
+
+def test_refuses_right_padding_and_several_eos_ids_and_too_many_positions():
+    with pytest.raises(ValueError, match="left padding"):
+        ours(build("llama"), IDS, MASK.flip(1))
+    _refusal("one EOS id", eos_token_id=[2, 3])
+    with pytest.raises(ValueError, match="64 positions"):
+        specpass.generate(build("gpt2"), IDS, attention_mask=MASK, max_new_tokens=60, compile="eager")
+
+
+def test_refuses_a_drafter_that_is_neither():
+    _refusal("lacks", error=TypeError, assistant_model=object())
+
+
+def test_sliding_window_in_the_mask_equals_generate():
+    model, draft = build("mistral", sliding_window=4), build("mistral", noise=0.1, sliding_window=4)
+    out = ours(model, IDS, MASK, assistant_model=draft, num_assistant_tokens=K)
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    assert not torch.equal(out.sequences, reference(build("mistral"), IDS, MASK))  # the window matters
+
+
+def test_refuses_mixed_sliding_and_full_layers_and_the_last_hidden_state():
+    _refusal("one mask", model=build("qwen3", use_sliding_window=True, sliding_window=4, max_window_layers=2))
+    target = HFTarget(build("llama"))
+    target.setup_caches(1, 8)
+    with pytest.raises(ValueError, match="'eagle3'"):
+        target.forward_with_hidden(IDS[:1, :2], torch.arange(2)[None], "last")
