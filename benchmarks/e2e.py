@@ -4,6 +4,7 @@
     python benchmarks/e2e.py --bs 1,8 --out a.json               # a part of it (results merge by key)
     python benchmarks/e2e.py --plot docs/e2e.json                # docs/e2e.png and the table (CPU, no GPU)
     python benchmarks/e2e.py --device cpu --quick                # a smoke test of the script
+    python benchmarks/e2e.py --sampling 0,0.6,1.0,0.6:0.95 --out docs/e2e_sampling.json   # sampled
 
 Variants, all greedy, on the held-out prompts (checkpoints/prompts.json), no EOS, the same number
 of new tokens per request:
@@ -27,6 +28,13 @@ with CUDA events after each step (steps compiled apart only). "agree" compares t
 plain decoding: exact equality is expected in fp32 (the check at --check-bs after the sweep), while
 bf16 verify over K+1 rows and decode over one row may round differently, so bf16 reports the
 agreeing prefix (mean fraction of tokens before the first difference).
+
+--sampling T[:P],... times speculative sampling instead: for each temperature T (top-p P), plain
+sampling through our loop (the baseline, same T and P) against eagle3/specpass-fused with drafts
+sampled from the head's distribution and with greedy drafts (q one-hot), K = --k and each of
+--k-sweep, fixed seeds; "round vs greedy" is a round's time over the greedy round's (T = 0) of
+the same variant and K in the same run. No fp32 check (sampled tokens differ from plain's by
+design; tests/test_sampling.py tests the distribution).
 """
 
 from __future__ import annotations
@@ -86,34 +94,38 @@ class Bench:
 
         return [encode(t) for t in itertools.islice(itertools.cycle(self.prompts), bs)]
 
-    def run_loops(self, prompts, variants: list[tuple[str, str | None, str, bool, int]]) -> dict[tuple, dict]:
-        """Build and warm up every (name, drafter, compile, fused, K) variant, then time them
-        interleaved, `repeats` passes over all of them, so that drift of the host's speed during
-        the run (15-25% on these host-bound loops) falls on every variant alike."""
+    def run_loops(self, prompts, variants: list[tuple], sampling: dict | None = None) -> dict[tuple, dict]:
+        """Build and warm up every (name, drafter, compile, fused, K[, greedy drafts]) variant, then
+        time them interleaved, `repeats` passes over all of them, so that drift of the host's speed
+        during the run (15-25% on these host-bound loops) falls on every variant alike. `sampling`:
+        generate's temperature / top_p / seed."""
         import copy
 
         from specpass.speculative import Decoder
 
         new, k_max = self.args.new_tokens, max(v[4] for v in variants)
         max_len = max(map(len, prompts)) + new + 2 * k_max + 1
+        sampling = sampling or {}
         decoders, results = {}, {}
         for variant in variants:
-            _, drafter, compile, fused, k = variant
+            _, drafter, compile, fused, k, *greedy_drafts = variant
             target, drafter = copy.deepcopy((self.target, self.drafters[drafter] if drafter else None))
             start = time.perf_counter()
             decoders[variant] = Decoder(target, drafter, k=k, max_batch=len(prompts), max_len=max_len,
-                                        compile=compile, mode=self.cudagraphs, fused_round=fused)
-            first = decoders[variant].generate(prompts, new)  # compiles, records the CUDA graphs
+                                        compile=compile, mode=self.cudagraphs, fused_round=fused,
+                                        greedy_drafts=bool(greedy_drafts and greedy_drafts[0]))
+            first = decoders[variant].generate(prompts, new, **sampling)  # compiles, records the CUDA graphs
             results[variant] = dict(tokens=first.tokens, runs=[], compile_s=time.perf_counter() - start)
             print(f"    compiled {variant[0]} K={k} in {results[variant]['compile_s']:.0f} s", file=sys.stderr)
         for i in range(self.args.repeats):
             order = list(decoders)
             order = order[i % len(order):] + order[: i % len(order)]
             for variant in order:
-                results[variant]["runs"].append(decoders[variant].generate(prompts, new).metrics)
+                results[variant]["runs"].append(decoders[variant].generate(prompts, new, **sampling).metrics)
         for variant, decoder in decoders.items():
             runs, r = results[variant].pop("runs"), results[variant]
-            timed = decoder.generate(prompts, new, timing=True).metrics if variant[1] and not variant[3] else None
+            timed = (decoder.generate(prompts, new, timing=True, **sampling).metrics
+                     if variant[1] and not variant[3] else None)
             r.update(tokens_per_s=statistics.median(m.tokens_per_s for m in runs),
                      pass_tokens_per_s=[m.tokens_per_s for m in runs],  # pass i of every variant ran side by side
                      # the rounds alone: tokens after each request's first (prefill's) over the loop's time
@@ -204,6 +216,52 @@ def sweep(args, save) -> list[dict]:
     return rows
 
 
+def sweep_sampling(args, save) -> list[dict]:
+    """Plain sampling against speculative sampling (sampled and greedy drafts) at each temperature
+    of `args.sampling` (greedy first, the reference of "round vs greedy") and batch size."""
+    bench = Bench(args)
+    torch = bench.torch
+    where = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
+    env = dict(device=where, torch=torch.__version__, dtype=args.dtype, new_tokens=args.new_tokens)
+    print(f"# {where}, torch {torch.__version__}, {args.dtype}, sampling", file=sys.stderr)
+    loops = [("plain", None, "inductor", True, 0, False)]
+    for k in dict.fromkeys([args.k, *args.k_sweep]):
+        loops += [("eagle3/specpass-fused", "eagle3", "specpass", True, k, False),
+                  ("eagle3/specpass-fused-greedy-drafts", "eagle3", "specpass", True, k, True)]
+    rows = []
+    for bs in args.bs:
+        prompts = bench.batch(bs)
+        greedy_round = {}
+        for temperature, top_p in [(0.0, None)] + [t for t in args.sampling if t != (0.0, None)]:
+            sampling = dict(temperature=temperature, top_p=top_p, seed=0)
+            results = bench.run_loops(prompts, loops, sampling)
+            for (variant, _, _, _, k, _), r in results.items():
+                if temperature == 0:
+                    greedy_round[variant, k] = r["round_ms"]
+                row = dict(env, variant=variant, bs=bs, k=k, temperature=temperature, top_p=top_p,
+                           round_vs_greedy=r["round_ms"] / greedy_round[variant, k],
+                           **{key: v for key, v in r.items() if key != "tokens"})
+                rows.append(row)
+                save(rows)
+                print(f"  bs {bs} T {temperature} p {top_p} k {k} {variant}: {row['tokens_per_s']:.0f} tok/s, "
+                      f"accept {row['accept_length']}, round {row['round_ms']:.3f} ms "
+                      f"({row['round_vs_greedy']:.2f}x greedy)", file=sys.stderr)
+            torch._dynamo.reset()
+    return rows
+
+
+def sampling_table(rows: list[dict]) -> str:
+    base = {(r["bs"], r["temperature"], r["top_p"]): r["tokens_per_s"] for r in rows if r["variant"] == "plain"}
+    lines = ["| bs | temperature | top-p | variant | K | tokens/s | vs plain sampling | accepted length | ms/round | "
+             "round vs greedy round |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        accept = f"{r['accept_length']:.2f}" if r["k"] else "-"
+        lines.append(f"| {r['bs']} | {r['temperature']} | {r['top_p'] or '-'} | {r['variant']} | {r['k'] or '-'} | "
+                     f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base[r['bs'], r['temperature'], r['top_p']]:.2f}x | "
+                     f"{accept} | {r['round_ms']:.3f} | {r['round_vs_greedy']:.2f} |")
+    return "\n".join(lines)
+
+
 def check_fp32(args, save) -> list[dict]:
     """Every loop variant in fp32 at one batch size: tokens exactly equal to plain decoding."""
     args = argparse.Namespace(**{**vars(args), "dtype": "float32", "bs": [args.check_bs], "k_sweep": []})
@@ -279,9 +337,14 @@ def plot(rows: list[dict], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def _temperature(text: str) -> tuple[float, float | None]:
+    temperature, _, top_p = text.partition(":")
+    return float(temperature), float(top_p) if top_p else None
+
+
 def merge(path: Path, rows: list[dict]) -> list[dict]:
     """Rows already in `path` plus these; a row replaces an old one with the same key."""
-    key = lambda r: (r["dtype"], r["bs"], r["variant"], r["k"])  # noqa: E731
+    key = lambda r: (r["dtype"], r["bs"], r["variant"], r["k"], r.get("temperature"), r.get("top_p"))  # noqa: E731
     old = json.loads(path.read_text()) if path.is_file() else []
     new_keys = {key(r) for r in rows}
     return [r for r in old if key(r) not in new_keys] + rows
@@ -305,6 +368,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke test: few tokens, one batch size, K 2")
     parser.add_argument("--out", type=Path, help="merge the rows into this JSON file")
     parser.add_argument("--plot", type=Path, help="draw docs/e2e.png from this JSON file, print its table, exit")
+    parser.add_argument("--sampling", type=lambda s: [_temperature(t) for t in s.split(",")],
+                        help="speculative sampling at these temperatures, each T or T:top_p (see above)")
     args = parser.parse_args()
     if args.plot:
         rows = json.loads(args.plot.read_text())
@@ -321,6 +386,9 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(merge(args.out, rows), indent=1))
 
+    if args.sampling:
+        print(sampling_table(sweep_sampling(args, save)))
+        return
     rows = sweep(args, save)
     if not args.no_check:
         rows += check_fp32(args, save)
