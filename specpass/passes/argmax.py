@@ -37,6 +37,17 @@ ids is s_c[ids] - lse (the same functions of the logits, summed in another order
 for argmax_ties="eager", topk(k > 1) and float64 inputs (the kernel accumulates in fp32), the
 formulation above, which Inductor fuses.
 
+Prologues (one_pass only, `_prologue`): the op reads the logits under what made s, when that is
+exact casts (identities, f16/bf16 -> f32, softmax's widening dtype=) around at most one scaling
+div(data, t) / mul(data, t) / mul(t, data) by a number or a float tensor of one value per row.
+The op computes each element as ATen does (fp32 operands, the result correctly rounded, then
+rounded to the scaling's 16-bit dtype), so its s is the graph's s, bit for bit, for a factor of
+any sign or value; no positivity is assumed or needed. Left out, with the reason in the finding
+("prologue not folded: ..."): a tensor factor whose dtype is neither the result's nor a 16-bit
+one under an fp32 result (devices convert it differently), a factor that is not one value per
+row, a narrowing cast, and logits or factor written in place anywhere (the op runs after the
+softmax).
+
 Non-finite rows: where m is +inf or NaN, softmax gives NaN everywhere and the original's index
 is the one its reduction gives an all-NaN row: 0 for max and argmax, topk's own order for topk
 (which is why topk's input becomes NaN there); the values come out NaN through m and z.
