@@ -57,19 +57,27 @@ def _collect_reports() -> list[str]:
     return reports
 
 
-def bounded(kind: type, low: float, high: float = float("inf"), low_open: bool = False):
-    """An argparse type: a `kind` in [low, high] ((low, high] with low_open)."""
+def at_least(kind: type, low: float, name: str):
+    """An argparse type: a `kind` >= low (argparse names it `name` when the text does not parse)."""
 
     def parse(text: str):
         value = kind(text)
-        if not (low < value if low_open else low <= value) or value > high:
-            raise argparse.ArgumentTypeError(f"must be in {'(' if low_open else '['}{low}, {high}], got {value}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
         return value
 
+    parse.__name__ = name
     return parse
 
 
-positive_int = bounded(int, 1)
+positive_int = at_least(int, 1, "positive_int")
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -95,11 +103,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs of each decoder (the median counts)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 unless every token equals plain greedy decoding's (temperature 0 only)")
-    parser.add_argument("--temperature", type=bounded(float, 0.0), default=0.0, help="0: greedy (default)")
-    parser.add_argument("--top-k", type=bounded(int, 0), help="sample from the k most likely tokens (0: off)")
-    parser.add_argument("--top-p", type=bounded(float, 0.0, 1.0, low_open=True),
-                        help="sample from the smallest set of tokens of this mass (1: off)")
-    parser.add_argument("--seed", type=bounded(int, 0), default=0, help="the same seed gives the same tokens")
+    parser.add_argument("--temperature", type=at_least(float, 0, "float"), default=0.0, help="0: greedy (default)")
+    parser.add_argument("--top-k", type=at_least(int, 0, "int"), help="sample from the k most likely tokens (0: off)")
+    parser.add_argument("--top-p", type=probability, help="sample from the smallest set of tokens of this mass (1: off)")
+    parser.add_argument("--seed", type=at_least(int, 0, "int"), default=0, help="the same seed gives the same tokens")
     parser.add_argument("--greedy-drafts", action="store_true",
                         help="when sampling, draft the arg-max (q one-hot) instead of sampling drafts")
     args = parser.parse_args(argv)

@@ -229,7 +229,7 @@ def test_example_samples_reproducibly_and_refuses_check_when_sampling():
     refused = run_example("--temperature", 0.5, "--check")
     assert refused.returncode == 2 and "--check compares with plain greedy decoding" in refused.stderr
     bad = run_example("--top-p", 0)
-    assert bad.returncode == 2 and "--top-p: must be in (0.0, 1.0], got 0.0" in bad.stderr
+    assert bad.returncode == 2 and "--top-p: must be in (0, 1], got 0.0" in bad.stderr
 
 
 def test_example_missing_and_mismatched_checkpoints(tmp_path):
