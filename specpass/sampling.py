@@ -120,10 +120,11 @@ def key(seed: Tensor, position: Tensor, stream: int) -> Tensor:
 
 
 def uniform(keys: Tensor, columns: Tensor | None = None) -> Tensor:
-    """fp32 uniforms in (0, 1): one per key, or [*keys.shape, V] for columns [V] (24 random bits,
-    the midpoint of their interval: never 0 or 1)."""
+    """fp32 uniforms in (0, 1): one per key, or [*keys.shape, V] for columns [V]: 23 random bits
+    and the midpoint of their interval, exact in fp32 (24 bits would round 2**24 - 0.5 up to 1.0,
+    an infinite Gumbel draw)."""
     h = keys if columns is None else mix32(keys[..., None] ^ mix32(columns ^ _GOLDEN))
-    return ((h >> 8).float() + 0.5) * 2.0**-24
+    return ((h >> 9).float() + 0.5) * 2.0**-23
 
 
 def gumbel(keys: Tensor, columns: Tensor) -> Tensor:

@@ -248,3 +248,10 @@ def test_bad_sampling_parameters_are_named(target):
                         (dict(temperature=1.0, seed=-1), "seed must be an int >= 0")]:
         with pytest.raises(ValueError, match=message):
             dec.generate([[1], [2]], 4, **kw)
+
+
+def test_uniforms_stay_inside_the_open_interval():
+    """The extreme hashes give uniforms strictly inside (0, 1), so the Gumbel noise is finite."""
+    u = uniform(torch.tensor([0, 1, 2**32 - 2, 2**32 - 1]))
+    assert (u > 0).all() and (u < 1).all(), u
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()

@@ -75,7 +75,7 @@ def _mix32(x):
 def _uniform(key, cols):
     """specpass.sampling.uniform(key, cols), bit for bit: key uint32, cols int32 >= 0."""
     h = _mix32(key ^ _mix32(cols.to(tl.uint32) ^ 0x9E3779B9))
-    return ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24, rounded in fp32 as torch
+    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23: exact, in (0, 1)
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def _score(raw, cols, scale, key, floor, PROLOGUE: tl.constexpr, ROUND: tl.const
     if SAMPLE:
         greedy = ~(scale > 0)  # NaN too, as the torch implementation
         s = tl.div_rn(x, tl.where(greedy, 1.0, scale)) - libdevice.log(-libdevice.log(_uniform(key, cols)))
-        if FLOOR:  # after the noise: a uniform of 1.0 (+inf noise) below the floor must not make NaN
+        if FLOOR:
             s = tl.where(x >= floor, s, float("-inf"))
         s = tl.where(greedy, x, s)
         x = tl.where(s == s, s, float("inf"))
