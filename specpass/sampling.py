@@ -30,6 +30,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+import specpass.kernels  # noqa: F401  registers torch.ops.specpass.sample (imported here: Dynamo cannot trace an import)
+
 DRAFT, ACCEPT, TARGET = 1, 2, 3  # streams
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
@@ -197,8 +199,6 @@ def logprobs(logits: Tensor, params: Params, floor: Tensor | None) -> Tensor:
 def draw(logits: Tensor, params: Params, keys: Tensor, floor: Tensor | None = None) -> Tensor:
     """A token from each row's distribution (see `logprobs`): [R, V] -> [R] int64, one read of
     the logits (torch.ops.specpass.sample)."""
-    import specpass.kernels  # noqa: F401  registers the op
-
     return torch.ops.specpass.sample(logits, params.temperature, keys, floor)
 
 
