@@ -48,7 +48,7 @@ import specpass  # noqa: E402
 from models import layers, zoo  # noqa: E402
 from models.layers import attend  # noqa: E402
 from models.drafters import ZooDrafter  # noqa: E402
-from specpass.speculative import Decoder, expected_accept_length  # noqa: E402
+from specpass.speculative import Decoder, choose_k, expected_accept_length  # noqa: E402
 
 SHIPPED = ROOT / "docs" / "e2e.json"
 
@@ -384,6 +384,23 @@ def tables(result: dict) -> str:
                 ms = r["phase_ms"].get(phase, 0.0)
                 cells = f"{floor:.3f} | {ms / floor:.2f}" if floor else "- | -"
                 lines.append(f"| {r['bs']} | {r['prompt']} | {r['k']} | {phase} | {ms:.3f} | {cells} |")
+    swept = {}
+    for r in rows:
+        if r["variant"] == "specpass":
+            swept.setdefault((r["bs"], r["prompt"]), {})[r["k"]] = r["round_ms"]
+    swept = {at: by_k for at, by_k in swept.items() if len(by_k) > 2}
+    if swept:
+        lines += ["", "| bs | prompt | K measured | choose_k (from the smallest and largest K) | its tokens/s | "
+                  "best measured K | its tokens/s | chosen / best |", "|---|---|---|---|---|---|---|---|"]
+        acc = result["acceptance"]
+        for (bs, prompt), by_k in swept.items():
+            ends = {k: by_k[k] for k in (min(by_k), max(by_k))}
+            chosen = choose_k(ends, acc[: max(by_k)])
+            rate = lambda k: bs * expected_accept_length(acc[:k]) / by_k[k] * 1e3  # noqa: E731
+            best = max(by_k, key=rate)
+            got = f"{rate(chosen):.0f}" if chosen in by_k else "not measured"
+            ratio = f"{rate(chosen) / rate(best):.3f}" if chosen in by_k else "-"
+            lines.append(f"| {bs} | {prompt} | {sorted(by_k)} | {chosen} | {got} | {best} | {rate(best):.0f} | {ratio} |")
     if result["attention"]:
         names = ("cudnn", "efficient", "math", "flex", "cudnn_folded", "efficient_folded")
         lines += ["", "| bs | queries | slots | " + " | ".join(f"{n} µs (max err)" for n in names) + " |",

@@ -16,7 +16,7 @@ import specpass
 from models import zoo
 from models.checkpoint import save
 from models.drafters import ZooDrafter
-from specpass.speculative import Decoder, first_true
+from specpass.speculative import Decoder, choose_k, expected_accept_length, first_true
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
@@ -231,3 +231,14 @@ def test_example_missing_and_mismatched_checkpoints(tmp_path):
     assert "vocabulary: the target has 256 tokens, the NextN draft 300" in result.stderr
     assert "NextN hidden_size 32 != the target's hidden_size 64" in result.stderr
 
+
+
+def test_choose_k_takes_the_most_tokens_per_ms():
+    acceptance = [0.8, 0.7, 0.6, 0.5, 0.1]
+    assert expected_accept_length(acceptance[:3]) == pytest.approx(3.1)
+    assert choose_k({2: 10.0, 4: 10.0}, acceptance) == 5  # drafts cost nothing: every one pays
+    # round ms = 10 + 2K: tokens per ms 0.150 0.179 0.194 0.200 0.185 for K = 1..5
+    assert choose_k({1: 12.0, 5: 20.0}, acceptance) == 4
+    assert choose_k({1: 12.0, 3: 30.0, 5: 20.0}, acceptance) == 5  # measured K keep their cost; K 2, 4 on the line
+    with pytest.raises(ValueError, match="two K"):
+        choose_k({4: 10.0}, acceptance)
