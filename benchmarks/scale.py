@@ -265,7 +265,8 @@ def attention_bench(bs: int, queries: int, slots: int, device: torch.device) -> 
 
     variants = {"cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION),
                 "math": sdpa(SDPBackend.MATH), "flex": flex_run,
-                "cudnn_folded": folded(SDPBackend.CUDNN_ATTENTION), "efficient_folded": folded(SDPBackend.EFFICIENT_ATTENTION)}
+                "cudnn_folded": folded(SDPBackend.CUDNN_ATTENTION),
+                "efficient_folded": folded(SDPBackend.EFFICIENT_ATTENTION)}
     with sdpa_kernel([SDPBackend.MATH]):
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
@@ -317,7 +318,8 @@ def sweep(args, save) -> dict:
         context = prompt + long // 2  # slots a request sees, on average over the timed rounds
         prompts = bench.prompts(bs, prompt)
         runs = [("decode", 0, "specpass", True)]
-        runs += [("specpass", k, "specpass", True) for k in [args.k, *(args.k_sweep if (bs, prompt) in args.k_sweep_at else [])]]
+        ks = [args.k, *(args.k_sweep if (bs, prompt) in args.k_sweep_at else [])]
+        runs += [("specpass", k, "specpass", True) for k in ks]
         if (bs, prompt) in args.inductor_at:
             runs.append(("inductor", args.k, "inductor", True))
         if (bs, prompt) in args.gqa_at:
@@ -400,7 +402,8 @@ def tables(result: dict) -> str:
             best = max(by_k, key=rate)
             got = f"{rate(chosen):.0f}" if chosen in by_k else "not measured"
             ratio = f"{rate(chosen) / rate(best):.3f}" if chosen in by_k else "-"
-            lines.append(f"| {bs} | {prompt} | {sorted(by_k)} | {chosen} | {got} | {best} | {rate(best):.0f} | {ratio} |")
+            lines.append(f"| {bs} | {prompt} | {sorted(by_k)} | {chosen} | {got} | {best} | {rate(best):.0f} | "
+                         f"{ratio} |")
     if result["attention"]:
         names = ("cudnn", "efficient", "math", "flex", "cudnn_folded", "efficient_folded")
         lines += ["", "| bs | queries | slots | " + " | ".join(f"{n} µs (max err)" for n in names) + " |",
@@ -441,7 +444,8 @@ def plot(result: dict, out: Path) -> None:
                            label=f"bs {bs}, prompt {prompt}")
         shipped = expected_accept_length(result["acceptance"][:k])
         curve.plot([shipped], [shipped * ratio], "o", color=line.get_color())
-        swept = sorted((x["k"], x["round_ms"]) for x in rows if x["variant"] == "specpass" and (x["bs"], x["prompt"]) == (bs, prompt))
+        swept = sorted((x["k"], x["round_ms"]) for x in rows
+                       if x["variant"] == "specpass" and (x["bs"], x["prompt"]) == (bs, prompt))
         if len(swept) > 1:
             by_k.plot([s for s, _ in swept], [expected_accept_length(result["acceptance"][:s]) * at["decode0"] / ms
                                               for s, ms in swept], "o-", label=f"bs {bs}, prompt {prompt}")
