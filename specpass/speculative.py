@@ -224,6 +224,29 @@ def first_true(mask: Tensor) -> Tensor:
     return torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1).int().argmax(1)
 
 
+def expected_accept_length(acceptance: Sequence[float]) -> float:
+    """Tokens per round per request at K = len(acceptance): the bonus plus each accepted draft
+    (acceptance[i]: the fraction of request-rounds that accept draft i+1, `Metrics.acceptance`)."""
+    return 1.0 + sum(acceptance)
+
+
+def choose_k(round_ms: dict[int, float], acceptance: Sequence[float]) -> int:
+    """The K in 1..len(acceptance) with the most tokens per ms, from measured ms per round at two or
+    more K (`round_ms`, K -> ms) and acceptance per draft position measured at the largest K.
+
+    Chain drafting: whether draft i is accepted depends on drafts 1..i only, so one run at the
+    largest K gives every smaller K's acceptance. A round's cost is linear in K between the measured
+    ones (K-1 draft steps; verify and catch-up over K+1 rows): a least-squares line through them.
+    """
+    if len(round_ms) < 2:
+        raise ValueError(f"choose_k needs ms per round at two K or more, got {sorted(round_ms)}")
+    ks, ms = list(round_ms), list(round_ms.values())
+    mean_k, mean_ms = sum(ks) / len(ks), sum(ms) / len(ms)
+    slope = sum((k - mean_k) * (m - mean_ms) for k, m in zip(ks, ms)) / sum((k - mean_k) ** 2 for k in ks)
+    cost = lambda k: round_ms.get(k, mean_ms + slope * (k - mean_k))  # noqa: E731  measured where it was
+    return max(range(1, len(acceptance) + 1), key=lambda k: expected_accept_length(acceptance[:k]) / cost(k))
+
+
 def catch_up(drafter: Drafter, sampled: bool, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor,
              params: Params | None) -> tuple[Tensor, Proposal | None, Tensor]:
     """The drafter on y_0..y_K at positions n+1..n+K+1, live row a -> (next d_1 [B], its proposal,

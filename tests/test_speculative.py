@@ -16,7 +16,7 @@ import specpass
 from models import zoo
 from models.checkpoint import save
 from models.drafters import ZooDrafter
-from specpass.speculative import Decoder, first_true
+from specpass.speculative import Decoder, choose_k, expected_accept_length, first_true
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
@@ -159,11 +159,13 @@ def test_explain_catch_up_shows_the_live_row_gather(target):
     report = specpass.explain(dec.steps.catch_up, *args)
     live = [f for f in report.of("live_rows") if f.fired]
     assert live and live[0].rows == (3 * (k + 1), 3), str(report)
-    # The gather lands before attention (one query row per request), even though the sampled id
-    # then indexes d2t: an index computed from the rows, which must not be hoisted above them.
+    # The gather lands before attention (one token per request: its GQA group of query rows), even
+    # though the sampled id then indexes d2t: an index computed from the rows, which must not be
+    # hoisted above them.
     rewritten = specpass.rewrite(specpass.capture(dec.steps.catch_up, *args)).graph_module
     (attention,) = rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
-    assert attention.meta["val"].shape[-2] == 1
+    attn = dec.drafter.model.midlayer.self_attn
+    assert attention.meta["val"].shape[-2] == attn.n_heads // attn.n_kv_heads  # one token: its GQA group's rows
     assert "only known after" not in str(report)  # the query projection runs on live rows too
     assert any(f.fired for f in report.of("argmax")), str(report)  # the greedy softmax -> max
 
@@ -243,3 +245,14 @@ def test_example_missing_and_mismatched_checkpoints(tmp_path):
     assert "vocabulary: the target has 256 tokens, the NextN draft 300" in result.stderr
     assert "NextN hidden_size 32 != the target's hidden_size 64" in result.stderr
 
+
+
+def test_choose_k_takes_the_most_tokens_per_ms():
+    acceptance = [0.8, 0.7, 0.6, 0.5, 0.1]
+    assert expected_accept_length(acceptance[:3]) == pytest.approx(3.1)
+    assert choose_k({2: 10.0, 4: 10.0}, acceptance) == 5  # drafts cost nothing: every one pays
+    # round ms = 10 + 2K: tokens per ms 0.150 0.179 0.194 0.200 0.185 for K = 1..5
+    assert choose_k({1: 12.0, 5: 20.0}, acceptance) == 4
+    assert choose_k({1: 12.0, 3: 30.0, 5: 20.0}, acceptance) == 5  # measured K keep their cost; K 2, 4 on the line
+    with pytest.raises(ValueError, match="two K"):
+        choose_k({4: 10.0}, acceptance)
