@@ -116,3 +116,34 @@ def test_compiled_apart_and_fused_match_eager(target):
         assert (out.metrics.accept_length, out.metrics.acceptance) == (want.metrics.accept_length,
                                                                         want.metrics.acceptance)
         assert backend.graphs == graphs
+
+
+def test_live_rows_on_the_draft_forward(target):
+    """The draft forward computes 2K rows per request and keeps K: after the KV write, attention's
+    queries, o_proj, the MLP, the norms and lm_head run on K rows per request; same outputs and caches."""
+    k, B = 4, 3
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 256, (B, k + 1), generator=g)
+    hidden = torch.randn(B, k + 1, 3 * target.config.hidden_size, generator=g)
+    args = (y, torch.tensor([4, 11, 2]), hidden, torch.tensor([0, 4, 2]), None)  # a = 0, K, 2; greedy
+    runs = []
+    for compile in ("eager", CountingBackend()):
+        dec = Decoder(target, peagle(), k=k, max_batch=B, max_len=MAX_LEN, compile="eager")
+        step = dec.steps.catch_up if compile == "eager" else torch.compile(dec.steps.catch_up, backend=compile,
+                                                                            fullgraph=True)
+        d, _, _ = step(*args)
+        caches = [b.clone() for n, b in dec.drafter.model.named_buffers() if n.endswith("_cache")]
+        runs.append((d, caches))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for want, got in zip(runs[0][1], runs[1][1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    report = specpass.explain(dec.steps.catch_up, *args)
+    (live,) = [f for f in report.of("live_rows") if f.fired and f.rows == (B * 2 * k, B * k)]
+    assert "used by the in-place index_put_" in live.message  # K/V of every row, then K rows per request
+    rewritten = specpass.rewrite(specpass.capture(dec.steps.catch_up, *args)).graph_module
+    (attention,) = rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
+    assert attention.meta["val"].shape[-2] == k  # [B, heads, K, d]: K query rows per request
+    lm_head = [n for n in rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+               if n.meta["val"].shape[-1] == zoo.config("tiny-llama-peagle3").draft_vocab_size]
+    assert [tuple(n.meta["val"].shape) for n in lm_head] == [(B, k, 96)]
