@@ -3,14 +3,18 @@ hand, the loop's round of verify + one draft forward (lossless, steps apart and 
 sampled), and the live-row rewrite of that forward (K live rows per request). fp32, CPU, tiny models."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import specpass
+import specpass.speculative as speculative
 from models import zoo
 from models.drafters import ParallelZooDrafter, ZooDrafter, adapt
-from specpass.speculative import Decoder
+from models.peagle import ParallelEagle3Config
+from specpass.speculative import Decoder, Proposal
+from tests import test_sampling
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
 NEW = 24
@@ -147,3 +151,44 @@ def test_live_rows_on_the_draft_forward(target):
     lm_head = [n for n in rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
                if n.meta["val"].shape[-1] == zoo.config("tiny-llama-peagle3").draft_vocab_size]
     assert [tuple(n.meta["val"].shape) for n in lm_head] == [(B, k, 96)]
+
+
+@pytest.fixture(scope="module")
+def n():
+    return 20_000
+
+
+@pytest.fixture(scope="module")
+def sampling_target():
+    return zoo.build(test_sampling.TARGET, seed=0)
+
+
+def sample_parallel(target, n, k=3):
+    """n requests of test_sampling's prompt, drafts sampled from a random parallel head, 3 tokens each."""
+    cfg = ParallelEagle3Config(**dataclasses.asdict(test_sampling.EAGLE), mask_token_id=test_sampling.V - 1)
+    return test_sampling.run(target, n, adapt(zoo.build(cfg, seed=3)), k, seed=11, temperature=1.0)
+
+
+def test_speculative_sampling_keeps_the_distribution(sampling_target, n):
+    """test_sampling's two-sample chi-square (alpha 0.01) on the joint law of the first three tokens:
+    K = 3 drafts per round from one forward, each drawn from its own distribution."""
+    tokens, metrics = sample_parallel(sampling_target, n)
+    assert 0.05 < metrics.acceptance[0] < 0.95 and metrics.acceptance[1] > 0.01, metrics  # mask rows accepted too
+    reference, _ = test_sampling.run(sampling_target, n, seed=7, temperature=1.0)
+    stat, df, p = test_sampling.two_sample(tokens, reference)
+    assert p > 0.01, f"chi-square {stat:.1f} on {df} df, p = {p:.2e}"
+
+
+def test_judging_a_draft_against_another_draft_s_proposal_is_rejected(sampling_target, n, monkeypatch):
+    """Power: the same test rejects a loop that judges the drafts with their proposals in reverse order."""
+    propose_rows = speculative.propose_rows
+
+    def swapped(*args):
+        ids, q = propose_rows(*args)
+        return ids, None if q is None else Proposal(q.probs.flip(1), q.at.flip(1))
+
+    monkeypatch.setattr(speculative, "propose_rows", swapped)
+    tokens, _ = sample_parallel(sampling_target, n)
+    monkeypatch.undo()
+    reference, _ = test_sampling.run(sampling_target, n, seed=7, temperature=1.0)
+    assert test_sampling.two_sample(tokens, reference)[2] < 1e-6
