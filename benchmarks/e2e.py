@@ -199,7 +199,7 @@ def sweep(args, save) -> list[dict]:
               f"round {row['round_ms']} ms, compile {row['compile_s']:.0f} s, agree {agree} ({prefix:.2f})",
               file=sys.stderr)
 
-    loops = [("plain", None, "inductor", True, 0)]
+    loops = [] if args.no_plain else [("plain", None, "inductor", True, 0)]
     for drafter, (loop, (compile, fused)) in itertools.product(DRAFTERS, LOOPS.items()):
         if f"{drafter}/{loop}" in args.variants:
             sweep_k = [k for k in args.k_sweep if k != args.k] if f"{drafter}/{loop}" in SWEPT else []
@@ -362,7 +362,9 @@ def main() -> None:
                         help=f"more K for {', '.join(SWEPT)} (the best K per batch size)")
     all_variants = ["hf-static", "hf-assisted"] + [f"{d}/{loop}" for d in DRAFTERS for loop in LOOPS]
     parser.add_argument("--variants", default=",".join(all_variants), type=lambda s: s.split(","),
-                        help=f"comma-separated, of {all_variants} (plain always runs)")
+                        help=f"comma-separated, of {all_variants} (plain runs too, unless --no-plain)")
+    parser.add_argument("--no-plain", action="store_true",
+                        help="skip plain decoding in the greedy sweep (agree then compares with the first variant)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--check-bs", type=int, default=8, help="batch size of the fp32 exactness check")

@@ -17,6 +17,10 @@ seen it yet; the drafter has, and holds its guess d_1 for position n+1):
     catch-up  the drafter on y_0..y_K at positions n+1..n+K+1 (with the target's hidden
               states at n..n+K), live row a -> d_1 of the next round
 
+A parallel drafter (`ParallelDrafter`: P-EAGLE, PARD) has no draft steps: its catch-up is one draft
+forward over y_0..y_K and K-1 slots of its own that makes the next round's d_1..d_K at once
+(`parallel_catch_up`); the round is verify -> accept -> that forward.
+
 The four are pure functions of device tensors with static shapes (`draft`, `verify`, `accept`,
 `catch_up`), and `decode_round` composes them. `Decoder` is the driver: it binds the models,
 compiles the steps — one graph each, or the whole round as one graph, from the same functions —
