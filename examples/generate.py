@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", type=pathlib.Path, default=DEFAULT_TARGET, help="Llama checkpoint folder")
     draft = parser.add_mutually_exclusive_group()
     draft.add_argument("--eagle", type=pathlib.Path, help=f"EAGLE-3 head folder (default: {DEFAULT_EAGLE.name})")
-    draft.add_argument("--parallel", type=pathlib.Path, help="parallel-drafting EAGLE-3 head folder (stdlib-llama-peagle3)")
+    draft.add_argument("--parallel", type=pathlib.Path, help="parallel-drafting EAGLE-3 head folder (P-EAGLE)")
     draft.add_argument("--nextn", type=pathlib.Path, help="NextN/MTP layer folder (DeepSeek-V3 or Qwen3.5)")
     draft.add_argument("--draft", type=pathlib.Path, help="standalone Llama draft folder")
     parser.add_argument("--prompt", action="append", help="repeat for a batch (default: held-out prompts)")

@@ -146,7 +146,8 @@ def test_live_rows_on_the_draft_forward(target):
     (live,) = [f for f in report.of("live_rows") if f.fired and f.rows == (B * 2 * k, B * k)]
     assert "used by the in-place index_put_" in live.message  # K/V of every row, then K rows per request
     rewritten = specpass.rewrite(specpass.capture(dec.steps.catch_up, *args)).graph_module
-    (attention,) = rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    (attention,) = rewritten.graph.find_nodes(op="call_function", target=sdpa)
     assert attention.meta["val"].shape[-2] == k  # [B, heads, K, d]: K query rows per request
     lm_head = [n for n in rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
                if n.meta["val"].shape[-1] == zoo.config("tiny-llama-peagle3").draft_vocab_size]
