@@ -86,6 +86,7 @@ class Bench:
         self.drafters = {name: load_drafter(self.target, kind, path, device=self.device, dtype=self.dtype)
                          for name, (kind, path) in DRAFTERS.items()}
         self.prompts = load_prompts()
+        self.decoders = {}  # (variant, batch, cache length) -> Decoder: other samplings reuse its models
         # Every variant compiles the same step functions again, for its own models.
         for name in ("cache_size_limit", "recompile_limit"):
             if hasattr(torch._dynamo.config, name):
@@ -100,7 +101,8 @@ class Bench:
         """Build and warm up every (name, drafter, compile, fused, K[, greedy drafts]) variant, then
         time them interleaved, `repeats` passes over all of them, so that drift of the host's speed
         during the run (15-25% on these host-bound loops) falls on every variant alike. `sampling`:
-        generate's temperature / top_p / seed."""
+        generate's temperature / top_p / seed; a variant built by an earlier call for the same batch
+        is reused (its compiled graphs too), so "compile s" is then the new graph's alone."""
         import copy
 
         from specpass.speculative import Decoder
@@ -111,11 +113,13 @@ class Bench:
         decoders, results = {}, {}
         for variant in variants:
             _, drafter, compile, fused, k, *greedy_drafts = variant
-            target, drafter = copy.deepcopy((self.target, self.drafters[drafter] if drafter else None))
             start = time.perf_counter()
-            decoders[variant] = Decoder(target, drafter, k=k, max_batch=len(prompts), max_len=max_len,
-                                        compile=compile, mode=self.cudagraphs, fused_round=fused,
-                                        greedy_drafts=bool(greedy_drafts and greedy_drafts[0]))
+            if (variant, len(prompts), max_len) not in self.decoders:
+                target, drafter = copy.deepcopy((self.target, self.drafters[drafter] if drafter else None))
+                self.decoders[variant, len(prompts), max_len] = Decoder(
+                    target, drafter, k=k, max_batch=len(prompts), max_len=max_len, compile=compile,
+                    mode=self.cudagraphs, fused_round=fused, greedy_drafts=bool(greedy_drafts and greedy_drafts[0]))
+            decoders[variant] = self.decoders[variant, len(prompts), max_len]
             first = decoders[variant].generate(prompts, new, **sampling)  # compiles, records the CUDA graphs
             results[variant] = dict(tokens=first.tokens, runs=[], compile_s=time.perf_counter() - start)
             print(f"    compiled {variant[0]} K={k} in {results[variant]['compile_s']:.0f} s", file=sys.stderr)
@@ -214,6 +218,7 @@ def sweep(args, save) -> list[dict]:
             record("hf-static", bs, 0, bench.run_hf(prompts, assistant=False), reference)
         if "hf-assisted" in args.variants and bs == 1:
             record("hf-assisted", bs, 0, bench.run_hf(prompts, assistant=True), reference)
+        bench.decoders.clear()
         torch._dynamo.reset()  # frees the compiled graphs of this batch size
     return rows
 
@@ -236,10 +241,11 @@ def sweep_sampling(args, save) -> list[dict]:
         greedy_round = {}
         for temperature, top_p in [(0.0, None)] + [t for t in args.sampling if t != (0.0, None)]:
             sampling = dict(temperature=temperature, top_p=top_p, seed=0)
-            results = bench.run_loops(prompts, loops, sampling)
-            for (variant, _, _, _, k, _), r in results.items():
+            # greedy drafts change nothing at temperature 0: their greedy round is the sampled drafts' one
+            variants = [v for v in loops if not (v[5] and temperature == 0)]
+            for (variant, _, _, _, k, _), r in bench.run_loops(prompts, variants, sampling).items():
                 if temperature == 0:
-                    greedy_round[variant, k] = r["round_ms"]
+                    greedy_round[variant, k] = greedy_round[f"{variant}-greedy-drafts", k] = r["round_ms"]
                 row = dict(env, variant=variant, bs=bs, k=k, temperature=temperature, top_p=top_p,
                            round_vs_greedy=r["round_ms"] / greedy_round[variant, k],
                            **{key: v for key, v in r.items() if key != "tokens"})
@@ -248,7 +254,8 @@ def sweep_sampling(args, save) -> list[dict]:
                 print(f"  bs {bs} T {temperature} p {top_p} k {k} {variant}: {row['tokens_per_s']:.0f} tok/s, "
                       f"accept {row['accept_length']}, round {row['round_ms']:.3f} ms "
                       f"({row['round_vs_greedy']:.2f}x greedy)", file=sys.stderr)
-            torch._dynamo.reset()
+        bench.decoders.clear()
+        torch._dynamo.reset()
     return rows
 
 

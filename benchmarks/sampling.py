@@ -9,6 +9,18 @@ The forms (each what an engine writes):
   argmax    softmax(x).argmax(-1): the token alone
   logprob   log_softmax(x).argmax(-1) and the log-probability gathered at it (a sampled token's)
   verify    log_softmax(x).gather(-1, ids): the target's log-probability of K drafted tokens
+With a prologue the pass folds into the op's read (issue 22):
+  top1_float      softmax(x.float(), -1).topk(1)
+  temperature     (x / 0.7).softmax(-1).max(-1)
+  per_request     softmax(x.float() / T[:, None], -1).max(-1), a temperature per request
+  logprob_float   log_softmax(x.float()).argmax(-1) and the log-probability gathered at it
+  greedy          softmax(x.float(), -1).max(-1).indices (the loop's greedy token)
+The sample op (torch.ops.specpass.sample, specpass.sampling), timed as called (no compiler):
+  sample          a draw from softmax(x / 0.7)
+  sample_floor    the same over x >= a given floor (top-k / top-p applied)
+  floor_sample    specpass.sampling.floor_of (top-k 50, top-p 0.95), compiled, and then
+                  sample_floor: what a filtering request costs
+  floor_of        floor_of alone
 
 Each is compiled for one static shape at a time (Dynamo is reset between shapes) and checked
 against eager on tie-free logits (each row's maximum lifted 1.0 above the rest). Times are medians
@@ -69,8 +81,57 @@ def bare_argmax(x):
     return x.argmax(-1)
 
 
-FORMS = {"top1": top1, "argmax": argmax, "logprob": logprob, "verify": verify}
+def top1_float(x):
+    return torch.softmax(x.float(), -1).topk(1)
+
+
+def temperature(x):
+    return (x / 0.7).softmax(-1).max(-1)
+
+
+def per_request(x, t):
+    return torch.softmax(x.float() / t[:, None], -1).max(-1)
+
+
+def logprob_float(x):
+    return logprob(x.float())
+
+
+def greedy(x):
+    return torch.softmax(x.float(), -1).max(-1).indices
+
+
+FORMS = {"top1": top1, "argmax": argmax, "logprob": logprob, "verify": verify, "top1_float": top1_float,
+         "temperature": temperature, "per_request": per_request, "logprob_float": logprob_float, "greedy": greedy}
+SAMPLING = ("sample", "sample_floor", "floor_sample", "floor_of")
 VARIANTS = {"eager": None, "inductor": "inductor", "specpass": specpass}  # name: torch.compile backend
+
+
+def sampling_calls(x: torch.Tensor) -> dict:
+    """name -> fn(logits) of the sampling forms, for logits shaped as x."""
+    from specpass.sampling import TARGET, Params, floor_of, key
+
+    bs = x.shape[0]
+    params = Params.make(bs, bs, x.device, temperature=0.7, top_k=50, top_p=0.95, seed=0)
+    keys = key(params.seed, torch.zeros(bs, dtype=torch.int64, device=x.device), TARGET)
+    floor = torch.compile(floor_of, dynamic=False)
+    fixed_floor = floor(x, params)
+    sample = torch.ops.specpass.sample
+    return {"sample": lambda xi: sample(xi, params.temperature, keys, None),
+            "sample_floor": lambda xi: sample(xi, params.temperature, keys, fixed_floor),
+            "floor_sample": lambda xi: sample(xi, params.temperature, keys, floor(xi, params)),
+            "floor_of": lambda xi: floor(xi, params)}
+
+
+def compiled_buffers(compiled, *args) -> tuple:
+    """(the first call's outputs, how many buffers of the logits' full size its code allocates: a
+    prologue written out before a kernel that reads it again)."""
+    from torch._inductor.utils import run_and_get_code
+
+    out, code = run_and_get_code(compiled, *args)
+    bs, vocab = args[0].shape
+    return out, sum(line.count(f"(({bs}, {vocab}), ") for src in code for line in src.splitlines()
+                    if "empty_strided" in line)
 
 
 def logits_for(bs: int, vocab: int, device: str, dtype: torch.dtype) -> torch.Tensor:
@@ -207,13 +268,16 @@ def op_configs_us(xs: list[torch.Tensor], reps: int) -> list[list]:
     return found
 
 
-def run_shape(bs: int, vocab: int, dtype: torch.dtype, device: str, quick: bool, configs: bool = False) -> dict:
+def run_shape(bs: int, vocab: int, dtype: torch.dtype, device: str, quick: bool, configs: bool = False,
+              forms: list[str] | None = None, variants: list[str] | None = None) -> dict:
     x = logits_for(bs, vocab, device, dtype)
     ids = torch.randint(0, vocab, (bs, K), device=device, generator=torch.Generator(device=device).manual_seed(0))
+    temperatures = torch.rand(bs, device=device, generator=torch.Generator(device=device).manual_seed(1)) + 0.5
     cuda = device.startswith("cuda")
     xs = rotation(x) if cuda else [x]
     reps = 10 if quick else 50
-    row: dict = {"bs": bs, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."), "us": {}, "isolated_us": {}}
+    row: dict = {"bs": bs, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."), "us": {}, "isolated_us": {},
+                 "full_size_buffers": {}}
 
     def bench(name: str, fn, extra: tuple = ()) -> None:
         if not cuda:
@@ -232,14 +296,24 @@ def run_shape(bs: int, vocab: int, dtype: torch.dtype, device: str, quick: bool,
         bare = torch.compile(bare_argmax, dynamic=False, fullgraph=True)
         bare(x)
         bench("inductor_argmax", bare)
-        for form, fn in FORMS.items():
-            extra = (ids,) if form == "verify" else ()
+        for form in forms or (*FORMS, *SAMPLING):
+            if form in SAMPLING:
+                bench(form, sampling_calls(x)[form])
+                continue
+            fn = FORMS[form]
+            extra = {"verify": (ids,), "per_request": (temperatures,)}.get(form, ())
             outputs = {}
-            for name, backend in VARIANTS.items():
-                call = fn if backend is None else torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
-                outputs[name] = call(x, *extra)
+            for name in variants or VARIANTS:
+                backend = VARIANTS[name]
+                if backend is None:
+                    call = fn
+                    outputs[name] = call(x, *extra)
+                else:
+                    call = torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
+                    outputs[name], row["full_size_buffers"][f"{form}/{name}"] = compiled_buffers(call, x, *extra)
                 bench(f"{form}/{name}", call, extra)
-            for name in ("inductor", "specpass"):
+            outputs.setdefault("eager", fn(x, *extra))
+            for name in outputs.keys() - {"eager"}:
                 for got, want in zip(torch.utils._pytree.tree_leaves(outputs[name]),
                                      torch.utils._pytree.tree_leaves(outputs["eager"]), strict=True):
                     if want.is_floating_point():
@@ -251,16 +325,20 @@ def run_shape(bs: int, vocab: int, dtype: torch.dtype, device: str, quick: bool,
 
 def table(rows: list[dict], peak: float | None) -> str:
     lines = ["| dtype | bs | vocab | read | Inductor argmax | form | eager | Inductor | specpass | bw "
-             "| / argmax | Inductor / specpass |", "|---" * 12 + "|"]
+             "| / argmax | Inductor / specpass | full-size buffers (Inductor, specpass) |", "|---" * 13 + "|"]
     for r in rows:
         t, size = r["us"], r["bs"] * r["vocab"] * (2 if r["dtype"] in ("bfloat16", "float16") else 4)
         share = (lambda us: f"{size / (us * 1e-6) / peak:.2f}") if peak else (lambda us: "-")
         read = share(t["read"]) if "read" in t else "-"
-        for form in FORMS:
-            ours = t[f"{form}/specpass"]
+        cell = (lambda key: f"{t[key]:.1f}" if key in t else "-")
+        for form in [f for f in (*FORMS, *SAMPLING) if f"{f}/specpass" in t or f in t]:
+            ours = t.get(f"{form}/specpass", t.get(form))
+            inductor = t.get(f"{form}/inductor")
+            buffers = r["full_size_buffers"]
             lines.append(f"| {r['dtype']} | {r['bs']} | {r['vocab']} | {read} | {t['inductor_argmax']:.1f} | {form} "
-                         f"| {t[f'{form}/eager']:.1f} | {t[f'{form}/inductor']:.1f} | {ours:.1f} | {share(ours)} "
-                         f"| {ours / t['inductor_argmax']:.2f} | {t[f'{form}/inductor'] / ours:.2f} |")
+                         f"| {cell(f'{form}/eager')} | {cell(f'{form}/inductor')} | {ours:.1f} | {share(ours)} "
+                         f"| {ours / t['inductor_argmax']:.2f} | {f'{inductor / ours:.2f}' if inductor else '-'} "
+                         f"| {buffers.get(f'{form}/inductor', '-')}, {buffers.get(f'{form}/specpass', '-')} |")
     return "\n".join(lines)
 
 
@@ -273,6 +351,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--configs", action="store_true",
                         help="CUDA: also time the op's kernel at each tile and split configuration (tuning)")
+    parser.add_argument("--forms", nargs="+", choices=[*FORMS, *SAMPLING], default=None, help="default: all")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None, help="default: all")
     parser.add_argument("--out", type=Path, default=None, help="write all results as JSON here")
     args = parser.parse_args()
 
@@ -290,7 +370,7 @@ def main() -> None:
     rows = []
     for vocab in vocabs:
         for bs in bss:
-            rows.append(run_shape(bs, vocab, dtype, args.device, args.quick, args.configs))
+            rows.append(run_shape(bs, vocab, dtype, args.device, args.quick, args.configs, args.forms, args.variants))
             print(f"{args.dtype} bs={bs} vocab={vocab}: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["us"].items())
                   + (f"; best configuration {min(rows[-1]['configs'], key=lambda c: c[-1])}" if args.configs else ""),
                   flush=True)

@@ -4,6 +4,7 @@
     python examples/generate.py --check           # also: every token equal to plain greedy decoding?
     python examples/generate.py --draft checkpoints/stdlib-llama-draft --k 3
     python examples/generate.py --target T --nextn N --prompt "def f(x):" --device cuda --dtype bfloat16
+    python examples/generate.py --temperature 0.6 --top-p 0.95 --seed 0   # speculative sampling
 
 The default pair (checkpoints/, made by examples/train.py) is a 19M-parameter Llama trained on the
 Python standard library's source and an EAGLE-3 head trained on its hidden states; the default
@@ -11,7 +12,8 @@ prompts are cut from standard-library modules held out of training (checkpoints/
 Text goes through a byte-level tokenizer (256 bytes, then <bos> and <eos>). On a GPU the steps run
 as CUDA graphs (mode="reduce-overhead") compiled by Inductor; on a CPU the graphs specpass rewrote
 run eagerly (Inductor's C++ builds take most of a minute). Speculative and plain decoding are
-compiled the same way and timed after a warm-up run.
+compiled the same way and timed after a warm-up run. With --temperature > 0 both sample (the same
+--top-k, --top-p and --seed); speculative sampling keeps plain sampling's distribution exactly.
 """
 
 from __future__ import annotations
@@ -55,10 +57,26 @@ def _collect_reports() -> list[str]:
     return reports
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+def at_least(kind: type, low: float, name: str):
+    """An argparse type: a `kind` >= low (argparse names it `name` when the text does not parse)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+positive_int = at_least(int, 1, "positive_int")
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
 
 
@@ -85,8 +103,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "CUDA) or each step apart (default on CPU, where nothing is replayed)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs of each decoder (the median counts)")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 unless every token equals plain greedy decoding's")
+                        help="exit 1 unless every token equals plain greedy decoding's (temperature 0 only)")
+    parser.add_argument("--temperature", type=at_least(float, 0, "float"), default=0.0, help="0: greedy (default)")
+    parser.add_argument("--top-k", type=at_least(int, 0, "int"), help="sample from the k most likely tokens (0: off)")
+    parser.add_argument("--top-p", type=probability, help="sample from the smallest set of tokens of this mass (1: off)")
+    parser.add_argument("--seed", type=at_least(int, 0, "int"), default=0, help="the same seed gives the same tokens")
+    parser.add_argument("--greedy-drafts", action="store_true",
+                        help="when sampling, draft the arg-max (q one-hot) instead of sampling drafts")
     args = parser.parse_args(argv)
+    if args.check and args.temperature > 0:
+        parser.error("--check compares with plain greedy decoding, so it needs --temperature 0; sampled tokens "
+                     "differ from plain sampling's draw by draw (tests/test_sampling.py tests their distribution)")
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -121,17 +148,19 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(max_batch=len(prompts), max_len=max(map(len, prompts)) + args.max_new_tokens + 2 * args.k + 1,
                  compile=backend, mode="reduce-overhead" if cuda and args.compile != "eager" else None)
     fused = args.round == "fused"
-    decoders = {"speculative": Decoder(target, drafter, k=args.k, fused_round=fused, **shape),
+    decoders = {"speculative": Decoder(target, drafter, k=args.k, fused_round=fused, greedy_drafts=args.greedy_drafts,
+                                       **shape),
                 "plain": Decoder(target, None, fused_round=fused, **shape)}
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
     results, seconds = {}, {}
     for name, decoder in decoders.items():
         start = time.perf_counter()
         # A short run first: it compiles every step and, on GPU, records the CUDA graphs.
-        decoder.generate(prompts, max_new_tokens=min(8, args.max_new_tokens), eos_id=EOS)
+        decoder.generate(prompts, max_new_tokens=min(8, args.max_new_tokens), eos_id=EOS, **sampling)
         if args.compile != "eager":
             print(f"{name}: warm-up (compilation) {time.perf_counter() - start:.1f} s", file=sys.stderr)
-        runs = [decoder.generate(prompts, max_new_tokens=args.max_new_tokens, eos_id=EOS)
+        runs = [decoder.generate(prompts, max_new_tokens=args.max_new_tokens, eos_id=EOS, **sampling)
                 for _ in range(args.repeats)]
         results[name] = runs[0]
         seconds[name] = statistics.median(r.metrics.seconds for r in runs)
@@ -145,11 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     speed = {name: r.metrics.new_tokens / seconds[name] for name, r in results.items()}
     print(f"drafter: {kind} ({draft_dir}), k = {args.k}, compile = {args.compile}"
           f"{f' (handoff {args.handoff})' if args.compile == 'specpass' else ''}"
-          f", round {args.round}, {args.device} {args.dtype}, {len(prompts)} prompts")
+          f", round {args.round}, {args.device} {args.dtype}, {len(prompts)} prompts, "
+          + (f"sampling: temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed}"
+             f"{', greedy drafts' if args.greedy_drafts else ''}" if args.temperature > 0 else "greedy"))
     print(f"mean accepted length: {m.accept_length:.2f} tokens per round (at most {args.k + 1})")
     print("acceptance per draft position: " + " ".join(f"{p:.2f}" for p in m.acceptance))
     print(f"tokens/s: speculative {speed['speculative']:.1f}, plain target decoding {speed['plain']:.1f} "
           f"({speed['speculative'] / speed['plain']:.2f}x, median of {args.repeats} runs each)")
+    if args.temperature > 0:
+        return 0
     same = out.tokens == results["plain"].tokens
     print(f"check: every token equals plain greedy decoding: {'yes' if same else 'NO'}")
     return 0 if same or not args.check else 1

@@ -3,7 +3,7 @@ the accept / residual step of speculative sampling. Pure torch ops on device ten
 shapes: traceable, fused by Inductor, safe inside CUDA graphs (no generator state anywhere).
 
     params = Params.make(B, B, device, temperature=0.6, top_k=50, top_p=0.95, seed=0)  # per request
-    floor = floor_of(logits, params)                   # [R] the top-k/top-p threshold (None: no filter)
+    floor = floor_of(logits, params)                   # [B] the top-k/top-p threshold (None: no filter)
     token = torch.ops.specpass.sample(logits, params.temperature, key(params.seed, pos, TARGET), floor)
 
 A token's distribution is softmax(x / T) over the entries x >= floor, where x are the fp32 logits
@@ -120,10 +120,11 @@ def key(seed: Tensor, position: Tensor, stream: int) -> Tensor:
 
 
 def uniform(keys: Tensor, columns: Tensor | None = None) -> Tensor:
-    """fp32 uniforms in (0, 1): one per key, or [*keys.shape, V] for columns [V] (24 random bits,
-    the midpoint of their interval: never 0 or 1)."""
+    """fp32 uniforms in (0, 1): one per key, or [*keys.shape, V] for columns [V]: 23 random bits
+    and the midpoint of their interval, exact in fp32 (24 bits would round 2**24 - 0.5 up to 1.0,
+    an infinite Gumbel draw)."""
     h = keys if columns is None else mix32(keys[..., None] ^ mix32(columns ^ _GOLDEN))
-    return ((h >> 8).float() + 0.5) * 2.0**-24
+    return ((h >> 9).float() + 0.5) * 2.0**-23
 
 
 def gumbel(keys: Tensor, columns: Tensor) -> Tensor:
@@ -141,25 +142,43 @@ def _per_row(t: Tensor, x: Tensor) -> Tensor:
 
 def floor_of(logits: Tensor, params: Params) -> Tensor | None:
     """The top-k / top-p threshold of each row, on the fp32 logits: [B, ..., V] -> [B, ...] (None:
-    no filter); params are per request, [B].
+    no filter); params are per request, [B]. See `floor`."""
+    if params.top_k is None:
+        return None
+    rows = logits.shape[:-1]
+
+    def each_row(t: Tensor) -> Tensor:
+        return t.reshape(t.shape + (1,) * (len(rows) - 1)).expand(rows).reshape(-1)
+
+    flat = logits.reshape(-1, logits.shape[-1])
+    return torch.ops.specpass.floor(flat, *map(each_row, (params.temperature, params.top_k, params.top_p))).view(rows)
+
+
+@torch.library.custom_op("specpass::floor", mutates_args=())
+def floor(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """logits [R, V], per row temperature, top_k (0: off), top_p (1: off) -> [R] fp32 threshold.
 
     top-k keeps the entries >= the k-th largest; top-p then keeps, in descending order, those
     whose probability mass before them (under temperature and the top-k cut) is < p: the smallest
     set reaching p, as transformers' TopPLogitsWarper. Ties at a threshold are all kept. One sort
-    of each row; rows of temperature 0 ignore the floor.
+    of each row; rows of temperature 0 ignore the floor. An op, run as these torch ops in every
+    graph (Inductor calls it as one extern kernel): torch 2.11's Inductor fails to generate the
+    cumulative sum over a 150K vocabulary, and the sort is the cost either way.
     """
-    if params.top_k is None:
-        return None
     x = logits.float()
     V = x.shape[-1]
-    ranked = x.sort(-1, descending=True).values  # [B, ..., V]
-    k = _per_row(torch.where(params.top_k > 0, params.top_k.clamp(max=V), V), x)
-    floor_k = ranked.gather(-1, (k - 1).expand(*x.shape[:-1], 1))  # [B, ..., 1]
-    T = _per_row(params.temperature, x).clamp_min(1e-30)
-    p = torch.softmax(torch.where(ranked >= floor_k, ranked / T, float("-inf")), -1)
+    ranked = x.sort(-1, descending=True).values  # [R, V]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V)[:, None]
+    floor_k = ranked.gather(-1, k - 1)  # [R, 1]
+    p = torch.softmax(torch.where(ranked >= floor_k, ranked / temperature.clamp_min(1e-30)[:, None], float("-inf")), -1)
     before = p.cumsum(-1) - p  # mass strictly before each entry
-    kept = (before < _per_row(params.top_p, x)).sum(-1, keepdim=True).clamp(min=1)  # the top entry is always kept
-    return torch.maximum(floor_k, ranked.gather(-1, kept - 1))[..., 0]
+    kept = (before < top_p[:, None]).sum(-1, keepdim=True).clamp(min=1)  # the top entry is always kept
+    return torch.maximum(floor_k, ranked.gather(-1, kept - 1))[:, 0]
+
+
+@floor.register_fake
+def _(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    return logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
 def logprobs(logits: Tensor, params: Params, floor: Tensor | None) -> Tensor:

@@ -848,3 +848,188 @@ def test_gather_along_another_axis_is_left_alone():
     _, result = rewrite(lambda x: torch.log_softmax(x, 0).gather(1, torch.zeros(3, 1, dtype=torch.long)), X)
     assert [f.fired for f in result.report.of("argmax")] == [False]
     assert "the softmax is over dim 0" in findings(result)[0]
+
+
+T3 = torch.tensor([0.7, 1.3, 0.05])  # a temperature per request
+
+
+class TestFoldedPrologues(expecttest.TestCase):
+    """The casts and temperature before a softmax are read by the one-pass op, not written out."""
+
+    def test_softmax_of_upcast_logits(self):
+        _, result = rewrite_one_pass(lambda x: torch.softmax(x.float(), -1).topk(1), W.bfloat16())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+x: bf16[3, 128]
+reshape_default: bf16[3, 128] = reshape(x, [-1, 128])
+top1_lse_default: (i64[3], f32[3], f32[3], f32[3]) = specpass.top1_lse(reshape_default, False, None, None, 1.0, False, None)
+getitem_2: i64[3] = getitem(top1_lse_default, 0)
+reshape_default_1: i64[3, 1] = reshape(getitem_2, [3, 1])
+getitem_5: f32[3] = getitem(top1_lse_default, 3)
+reshape_default_4: f32[3, 1] = reshape(getitem_5, [3, 1])
+return (reshape_default_4, reshape_default_1)""")
+        self.assertExpectedInline("\n".join(findings(result)), """[argmax] rewrote softmax -> topk: softmax -> topk along dim 1: indices = top1_lse(x, folding the cast) index (one pass); values = exp(top - lse) (one pass)""")
+
+    def test_bf16_division_is_rounded_to_bf16_in_the_op(self):
+        _, result = rewrite_one_pass(lambda x: (x / 0.7).softmax(-1).max(-1), W.bfloat16())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+x: bf16[3, 128]
+reshape_default: bf16[3, 128] = reshape(x, [-1, 128])
+top1_lse_default: (i64[3], f32[3], f32[3], bf16[3]) = specpass.top1_lse(reshape_default, False, bf16, None, 0.7, True, bf16)
+getitem_2: i64[3] = getitem(top1_lse_default, 0)
+reshape_default_1: i64[3, 1] = reshape(getitem_2, [3, 1])
+getitem_5: bf16[3] = getitem(top1_lse_default, 3)
+reshape_default_4: bf16[3, 1] = reshape(getitem_5, [3, 1])
+squeeze_dims: i64[3] = squeeze.dims(reshape_default_1, [1])
+squeeze_dims_1: bf16[3] = squeeze.dims(reshape_default_4, [1])
+return (squeeze_dims_1, squeeze_dims)""")
+
+    def test_per_request_temperature(self):
+        fn = lambda x, t: torch.softmax(x.float() / t[:, None], -1).max(-1)  # noqa: E731
+        _, result = rewrite_one_pass(fn, W.bfloat16(), T3)
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+x: bf16[3, 128]
+t: f32[3]
+unsqueeze: f32[3, 1] = unsqueeze(t, 1)
+reshape_default: bf16[3, 128] = reshape(x, [-1, 128])
+reshape_default_1: f32[3] = reshape(unsqueeze, [-1])
+top1_lse_default: (i64[3], f32[3], f32[3], f32[3]) = specpass.top1_lse(reshape_default, False, None, reshape_default_1, 1.0, True, None)
+getitem_2: i64[3] = getitem(top1_lse_default, 0)
+reshape_default_2: i64[3, 1] = reshape(getitem_2, [3, 1])
+getitem_5: f32[3] = getitem(top1_lse_default, 3)
+reshape_default_5: f32[3, 1] = reshape(getitem_5, [3, 1])
+squeeze_dims: i64[3] = squeeze.dims(reshape_default_2, [1])
+squeeze_dims_1: f32[3] = squeeze.dims(reshape_default_5, [1])
+return (squeeze_dims_1, squeeze_dims)""")
+
+    def test_sampled_token_of_upcast_log_softmax(self):
+        def fn(x):
+            logprobs = torch.log_softmax(x.float(), -1)
+            token = logprobs.argmax(-1)
+            return token, logprobs.gather(-1, token[:, None])
+
+        _, result = rewrite_one_pass(fn, W.bfloat16())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+x: bf16[3, 128]
+reshape_default: bf16[3, 128] = reshape(x, [-1, 128])
+top1_lse_default: (i64[3], f32[3], f32[3], f32[3]) = specpass.top1_lse(reshape_default, True, None, None, 1.0, False, None)
+getitem: i64[3] = getitem(top1_lse_default, 0)
+reshape_default_1: i64[3, 1] = reshape(getitem, [3, 1])
+getitem_3: f32[3] = getitem(top1_lse_default, 3)
+reshape_default_4: f32[3, 1] = reshape(getitem_3, [3, 1])
+squeeze_dims: i64[3] = squeeze.dims(reshape_default_1, [1])
+return (squeeze_dims, reshape_default_4)""")
+
+    def test_multiplication_by_a_tensor_of_one_value(self):
+        fn = lambda x, c: torch.softmax(c * x, -1).argmax(-1)  # noqa: E731
+        _, result = rewrite_one_pass(fn, W, torch.tensor([[1.5]]))
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+c: f32[1, 1]
+x: f32[3, 128]
+reshape_default: f32[3, 128] = reshape(x, [-1, 128])
+reshape_default_1: f32[1] = reshape(c, [1])
+top1_lse_default: (i64[3], f32[3], f32[3], f32[3]) = specpass.top1_lse(reshape_default, False, None, reshape_default_1, 1.0, False, None)
+getitem: i64[3] = getitem(top1_lse_default, 0)
+reshape_default_2: i64[3, 1] = reshape(getitem, [3, 1])
+squeeze_dims: i64[3] = squeeze.dims(reshape_default_2, [1])
+return (squeeze_dims,)""")
+
+
+FOLDED = {  # name -> (fn, extra inputs): spellings whose prologue the op reads
+    "upcast_topk1": (lambda x: torch.softmax(x.float(), -1).topk(1), ()),
+    "divide_max": (lambda x: (x / 0.7).softmax(-1).max(-1), ()),
+    "multiply_max": (lambda x: (x * 1.7).softmax(-1).max(-1), ()),
+    "negative_temperature": (lambda x: torch.softmax(x.float() / -0.7, -1).max(-1), ()),
+    "per_request": (lambda x, t: torch.softmax(x.float() / t[:, None], -1).max(-1), (T3,)),
+    "per_request_zero_and_negative": (lambda x, t: torch.softmax(x.float() / t[:, None], -1).max(-1),
+                                      (torch.tensor([0.0, -0.5, 2.0]),)),
+    "per_request_same_dtype": (lambda x, t: torch.log_softmax(x / t[:, None].to(x.dtype), -1).max(-1), (T3,)),
+    "upcast_log_softmax_sampled": (sampled_logprob_of_float := lambda x: (
+        lambda lp: (lp.argmax(-1), lp.gather(-1, lp.argmax(-1)[:, None])))(torch.log_softmax(x.float(), -1)), ()),
+    "greedy_loop": (lambda x: torch.softmax(x.float(), -1).max(-1).indices, ()),
+    "dtype_argument": (lambda x: torch.softmax(x / 0.9, -1, dtype=torch.float32).amax(-1), ()),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("form", FOLDED)
+def test_folded_prologue_matches_eager(monkeypatch, form, dtype):
+    """Indices equal eager's on logits with ties and non-finite rows, values within rounding: the op
+    computes each x / t as torch does (in the quotient's dtype), so the rounded ties fall the same way."""
+    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    fn, extra = FOLDED[form]
+    x = (torch.randn(3, 300, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
+    x[0, [7, 250]] = x[0].amax() + 0.01  # near ties: the quotient's rounding decides between them
+    x[1, 17] = float("inf")
+    _, result = rewrite(fn, x, *extra)
+    graph = graph_str(result.graph_module)
+    assert "folding" in "".join(findings(result)), findings(result)
+    assert "div.Tensor" not in graph and "mul.Tensor" not in graph and ": f32[3, 300] = to" not in graph, graph
+    want = fn(x, *extra)
+    got = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x, *extra)
+    tolerance = {torch.float32: 2e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        if w.is_floating_point():
+            torch.testing.assert_close(g, w, rtol=tolerance, atol=tolerance, equal_nan=True)
+        else:
+            assert torch.equal(g, w), (g, w)
+
+
+UNFOLDED = {  # name -> (fn, inputs, reason): the op reads the prologue's output, as before
+    "divisor_of_another_dtype": (lambda x, t: torch.softmax(x / t, -1).max(-1),
+                                 (W.bfloat16(), torch.tensor(0.7)), "is torch.float32, the result torch.bfloat16"),
+    "per_column_factor": (lambda x, w: torch.softmax(x * w, -1).max(-1), (W, torch.rand(128)),
+                          "is not one value per row"),
+    "per_element_factor": (lambda x, w: torch.softmax(x / w, -1).max(-1), (W, torch.rand(3, 128) + 1),
+                           "is not one value per row"),
+    "narrowing_dtype_argument": (lambda x: torch.softmax(x, -1, dtype=torch.bfloat16).max(-1), (W,), "rounds its"),
+    "divided_by_the_logits": (lambda x, t: torch.softmax(t / x, -1).max(-1), (W, torch.tensor([[0.7]])),
+                              "scales a tensor of another shape"),
+}
+
+
+@pytest.mark.parametrize("form", UNFOLDED)
+def test_prologues_that_cannot_be_folded(monkeypatch, form):
+    """Still rewritten to the op, which reads the softmax's input as computed: the reason is reported."""
+    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    fn, args, reason = UNFOLDED[form]
+    _, result = rewrite(fn, *args)
+    assert result.report.rewrites and "prologue not folded" in findings(result)[0] and reason in findings(result)[0], \
+        findings(result)
+    want, got = fn(*args), torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(*args)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], rtol=8e-3, atol=1e-6)
+
+
+def test_logits_written_in_place_after_the_cast_are_not_read_again(monkeypatch):
+    """The op would read x after the write: the cast's copy stays and the op reads it."""
+    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+
+    def fn(x):
+        y = x.float()
+        x.mul_(-1)
+        return torch.softmax(y, -1).max(-1)
+
+    x = W.bfloat16()
+    _, result = rewrite(fn, x.clone())
+    assert "prologue not folded: x is written in place" in findings(result)[0], findings(result)
+    want = fn(x.clone())
+    got = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x.clone())
+    assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["divide_max", "multiply_max", "per_request_same_dtype"])
+def test_folding_changes_no_index_on_near_ties(monkeypatch, form, dtype):
+    """On 4,000 rows of near ties (many quotients round together) the folded op returns the index
+    the unfolded rewrite returns (the first arg-max of the quotient as torch computes it), row for row."""
+    fn, extra = FOLDED[form]
+    extra = tuple(t.repeat(1334)[:4000] for t in extra)
+    x = near_ties(4000, 96, dtype, seed=4)
+    unfolded = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x, *extra)
+    torch._dynamo.reset()
+    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    folded = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x, *extra)
+    assert "folding" in "".join(findings(rewrite(fn, x, *extra)[1]))
+    assert torch.equal(folded[1], unfolded[1])
+    assert not torch.equal(folded[1], x.argmax(-1))  # the quotient's rounding decides on some rows

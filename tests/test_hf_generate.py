@@ -196,3 +196,31 @@ def test_refuses_mixed_sliding_and_full_layers_and_the_last_hidden_state():
     target.setup_caches(1, 8)
     with pytest.raises(ValueError, match="'eagle3'"):
         target.forward_with_hidden(IDS[:1, :2], torch.arange(2)[None], "last")
+
+
+def test_sampling_has_transformers_distribution():
+    """do_sample=True through the speculative loop against transformers' own sampler (temperature,
+    top-k, top-p applied as its warpers apply them): a two-sample chi-square test on the first two
+    tokens, N = 20,000 each, α = 1e-3 (tests/test_sampling.py states the loop's own tests)."""
+    from tests.test_sampling import two_sample
+
+    model = build("llama", vocab_size=16, bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    draft = perturbed(model, 0.5)
+    n, kw = 20_000, dict(temperature=0.7, top_k=8, top_p=0.9)
+    ids = torch.tensor([[5, 3, 9]]).expand(n, -1)
+    torch.manual_seed(0)
+    theirs = model.generate(ids, max_new_tokens=2, do_sample=True, **kw)[:, 3:]
+    out = specpass.generate(model, ids, assistant_model=draft, max_new_tokens=2, do_sample=True, seed=0,
+                            compile="eager", return_dict_in_generate=True, **kw)
+    assert 1 < out.metrics.accept_length < K + 1
+    stat, df, p = two_sample(out.sequences[:, 3:], theirs, vocab=16)
+    assert p > 1e-3, f"chi-square {stat:.1f} on {df} df, p = {p:.2e}"
+    again = specpass.generate(model, ids[:4], assistant_model=draft, max_new_tokens=2, do_sample=True, seed=0,
+                              compile="eager", **kw)
+    assert torch.equal(again, specpass.generate(model, ids[:4], assistant_model=draft, max_new_tokens=2,
+                                                do_sample=True, seed=0, compile="eager", **kw))
+
+
+def test_sampling_keywords_need_do_sample():
+    with pytest.raises(ValueError, match="take effect with do_sample=True"):
+        specpass.generate(build("llama"), IDS[:1], max_new_tokens=2, temperature=0.5, compile="eager")

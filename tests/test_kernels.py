@@ -1,12 +1,15 @@
 """The Triton kernels (specpass/kernels/triton_*.py), on a GPU: values against torch on the
-upcast logits, ties, non-finite rows, and use inside a compiled, CUDA-graphed function. Skipped
-without CUDA (CI has none; the ops' CPU implementations are tested with the passes that emit
-them): run through the device machine."""
+upcast logits, ties, non-finite rows, folded prologues, the sample op's noise, indices and
+distribution, and use inside a compiled, CUDA-graphed function. Skipped without CUDA (CI has none;
+the ops' CPU implementations are tested with the passes that emit them, and the sample op's
+distribution here, on both devices): run through the device machine."""
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels need a CUDA GPU and Triton")
+from specpass.sampling import TARGET, key, uniform
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels need a CUDA GPU and Triton")
 
 SHAPES = [(1, 151936), (3, 32000), (16, 128256), (64, 5000), (256, 151936), (1280, 32000), (5, 100)]
 
@@ -17,6 +20,7 @@ def _top1():
     return torch.ops.specpass.top1_lse
 
 
+@cuda
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows,vocab", SHAPES)
@@ -34,6 +38,7 @@ def test_index_max_logsumexp_and_value_match_torch(rows, vocab, dtype, log):
     assert rounded.dtype == dtype and torch.equal(rounded, value.to(dtype))
 
 
+@cuda
 @pytest.mark.parametrize("rows,vocab", SHAPES)
 def test_ties_take_the_first_index_across_chunks(rows, vocab):
     logits = torch.zeros(rows, vocab, device="cuda", dtype=torch.bfloat16)
@@ -43,6 +48,7 @@ def test_ties_take_the_first_index_across_chunks(rows, vocab):
     assert torch.equal(index, logits.float().argmax(-1)) and (index == vocab // 3).all()
 
 
+@cuda
 def test_rows_with_infinities_and_nan():
     logits = torch.randn(4, 40000, device="cuda")
     logits[0] = float("-inf")  # all -inf: index 0, max -inf, lse -inf
@@ -57,6 +63,7 @@ def test_rows_with_infinities_and_nan():
         torch.testing.assert_close(got.cpu(), want, rtol=2e-6, atol=2e-6, equal_nan=True)
 
 
+@cuda
 @pytest.mark.parametrize("config", [(1, 8, 1), (1, 4, 9), (4, 8, 3), (2, 4, 7), (2, 16, 1), (4, 16, 2), (2, 4, 1)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_tile_and_split_against_the_cpu_implementation(config, dtype):
@@ -82,6 +89,7 @@ def test_every_tile_and_split_against_the_cpu_implementation(config, dtype):
         torch.testing.assert_close(g.cpu(), w, rtol=2e-6, atol=2e-6, equal_nan=True)
 
 
+@cuda
 def test_composes_with_inductor_and_cuda_graphs():
     top1_lse = _top1()
 
@@ -95,3 +103,162 @@ def test_composes_with_inductor_and_cuda_graphs():
         index, p = compiled(logits)
     assert torch.equal(index, logits.float().argmax(-1))
     torch.testing.assert_close(p, torch.softmax(logits.float(), -1).amax(-1), rtol=1e-5, atol=1e-7)
+
+
+PROLOGUES = {  # name -> (scale per row or None, scalar, divide, rounding)
+    "divide": (None, 0.7, True, None),
+    "multiply": (None, 1.7, False, None),
+    "divide_rounded_bf16": (None, 0.7, True, torch.bfloat16),
+    "per_row": ("rows", 1.0, True, None),
+    "per_row_rounded_fp16": ("rows", 1.0, True, torch.float16),
+    "one_value": ("one", 1.0, False, None),
+}
+
+
+@cuda
+@pytest.mark.parametrize("config", [None, (1, 4, 7), (2, 16, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_folded_prologue_against_the_cpu_implementation(prologue, dtype, config):
+    """Each element's quotient or product, correctly rounded (and rounded to 16 bits where asked),
+    exactly as torch computes it: the index and max equal the torch implementation's, ties included."""
+    from specpass.kernels import triton_top1
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    logits = (torch.randn(64, 40007, device="cuda", generator=g) * 4).to(dtype)
+    logits[:, [11, 30000]] = logits.amax(-1, keepdim=True) + 1e-3  # ties the rounding may make or break
+    logits[3, 5] = float("nan")
+    scale, scalar, divide, rounding = PROLOGUES[prologue]
+    if scale == "rows":  # zero and negative temperatures too: every element is computed as torch does
+        scale = torch.rand(64, device="cuda", generator=g) * 2 + 0.05
+        scale[:3] = torch.tensor([0.0, -0.7, float("inf")])
+    elif scale == "one":
+        scale = torch.tensor([0.3], device="cuda")
+    got = triton_top1.top1_lse(logits, True, None, scale, scalar, divide, rounding, config=config)
+    want = _top1()(logits.cpu(), True, None, None if scale is None else scale.cpu(), scalar, divide, rounding)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    for g_, w in zip(got[2:], want[2:]):
+        torch.testing.assert_close(g_.cpu(), w, rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
+if torch.cuda.is_available():
+    import triton
+    import triton.language as tl
+
+    from specpass.kernels import triton_top1
+
+    @triton.jit
+    def _uniforms_kernel(key_ptr, out_ptr, V, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        tl.store(out_ptr + row * V + cols, triton_top1._uniform(tl.load(key_ptr + row).to(tl.uint32), cols),
+                 mask=cols < V)
+
+
+def _keys(n: int, seed: int = 0, device: str = "cuda") -> torch.Tensor:
+    return key(torch.tensor([seed], device=device), torch.arange(n, device=device), TARGET)
+
+
+@cuda
+def test_uniforms_are_the_torch_ones_bit_for_bit():
+    keys = torch.cat([_keys(500), torch.tensor([0, 1, 2**31, 2**32 - 1], device="cuda")])
+    got = torch.empty(keys.shape[0], 4096, device="cuda")
+    _uniforms_kernel[(keys.shape[0],)](keys, got, 4096, BLOCK=4096)
+    want = uniform(keys, torch.arange(4096, device="cuda"))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@cuda
+@pytest.mark.parametrize("floor", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,vocab", [(1, 151936), (16, 128256), (256, 32000), (5, 100)])
+def test_sample_indices_equal_the_torch_implementation(rows, vocab, dtype, floor):
+    """The same token as the torch implementation (on the CPU) but where two candidates' scores are
+    within float rounding (its log is not CUDA's): count them, expect ~0."""
+    from specpass.kernels import triton_top1
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 3).to(dtype)
+    temperature = torch.rand(rows, device="cuda", generator=g) + 0.3
+    temperature[0] = 0.0  # greedy
+    cut = logits.float().quantile(0.99, -1) if vocab * rows < 2**24 else logits.float().kthvalue(vocab - 50, -1).values
+    keys = _keys(rows, seed=vocab)
+    for config in (None, (1, 4, 7)):
+        got = triton_top1.sample(logits, temperature, keys, cut if floor else None, config=config).cpu()
+        want = torch.ops.specpass.sample(logits.cpu(), temperature.cpu(), keys.cpu(), cut.cpu() if floor else None)
+        assert got[0] == logits[0].float().argmax()
+        assert (got != want).sum() <= max(1, rows // 100), (got != want).nonzero()
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square goodness of fit (bins of expected count < 5 merged)."""
+    expected = probs.double() * counts.sum()
+    small = expected < 5
+    counts = torch.cat([counts[~small].double(), counts[small].double().sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    assert (counts[~keep] == 0).all()  # nothing drawn where the probability is 0
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    return torch.special.gammaincc(torch.tensor((keep.sum().item() - 1) / 2.0), stat / 2).item()
+
+
+ALPHA = 1e-3  # fixed keys: each case is one deterministic draw of the test; a true sampler fails 1 in 1000
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("floor", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sample_draws_from_softmax_of_x_over_t(device, dtype, floor):
+    """Many draws of one row's token (one draw per row, each row its own key) against softmax(x / T)
+    over x >= floor: chi-square goodness of fit at ALPHA. Rows of 60 logits (one program each)."""
+    import specpass.kernels  # noqa: F401
+
+    draws, vocab, T = 200_000 if device == "cuda" else 40_000, 60, 0.8
+    x = (torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 2).to(dtype)
+    cut = x.float().sort(descending=True).values[20].item() if floor else float("-inf")
+    probs = torch.softmax(torch.where(x.float() >= cut, x.float() / T, float("-inf")), -1)
+    logits = x.to(device).expand(draws, vocab)
+    got = torch.ops.specpass.sample(logits, torch.full((draws,), T, device=device), _keys(draws, 3, device),
+                                    torch.full((draws,), cut, device=device) if floor else None)
+    assert _chi_square_p(torch.bincount(got.cpu(), minlength=vocab), probs) > ALPHA
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sample_draws_from_softmax_over_split_rows(dtype):
+    """Few long rows (each cut into chunks and combined): 400 calls of 8 rows of 32,000 logits, 40
+    of them holding nearly all the mass, spread over the row, the rest one bin."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.full((32000,), -40.0)
+    hot = torch.randperm(32000, generator=g)[:40]
+    x[hot] = torch.randn(40, generator=g) * 1.5
+    x = x.to(dtype)
+    T = 1.3
+    probs = torch.softmax(x.float() / T, -1)
+    counts = torch.zeros(32000, dtype=torch.int64)
+    logits = x.cuda().expand(8, 32000)
+    for call in range(400):
+        got = torch.ops.specpass.sample(logits, torch.full((8,), T, device="cuda"), _keys(8, call), None)
+        counts += torch.bincount(got.cpu(), minlength=32000)
+    assert _chi_square_p(counts, probs) > ALPHA
+
+
+@cuda
+def test_sample_in_a_compiled_cuda_graph_with_new_keys_per_replay():
+    import specpass.kernels  # noqa: F401
+
+    def draw(logits, temperature, keys, floor):
+        return torch.ops.specpass.sample(logits, temperature, keys, floor)
+
+    logits = torch.randn(64, 32000, device="cuda", dtype=torch.bfloat16) * 2
+    temperature = torch.full((64,), 0.9, device="cuda")
+    floor = logits.float().topk(40, -1).values[:, -1]
+    compiled = torch.compile(draw, mode="reduce-overhead", fullgraph=True)
+    tokens = []
+    for step in range(5):  # warm-up, record, replays, each with its own keys
+        keys = _keys(64, seed=step)
+        got = compiled(logits, temperature, keys, floor)
+        assert torch.equal(got, draw(logits, temperature, keys, floor))
+        assert (logits.float().gather(-1, got[:, None])[:, 0] >= floor).all()
+        tokens.append(got.clone())
+    assert all(not torch.equal(tokens[0], t) for t in tokens[1:])

@@ -218,6 +218,20 @@ def test_example_check_with_a_standalone_draft(tmp_path):
     assert "check: every token equals plain greedy decoding: yes" in result.stdout
 
 
+def test_example_samples_reproducibly_and_refuses_check_when_sampling():
+    args = ("--temperature", 0.8, "--top-k", 40, "--top-p", 0.9, "--seed", 3, "--max-new-tokens", 24,
+            "--num-prompts", 1, "--repeats", 1)
+    first, second = run_example(*args), run_example(*args)
+    assert first.returncode == 0, first.stderr
+    assert "sampling: temperature 0.8, top-k 40, top-p 0.9, seed 3" in first.stdout
+    completion = first.stdout.split("completion")[1].split("=" * 68)[0]
+    assert completion == second.stdout.split("completion")[1].split("=" * 68)[0]
+    refused = run_example("--temperature", 0.5, "--check")
+    assert refused.returncode == 2 and "--check compares with plain greedy decoding" in refused.stderr
+    bad = run_example("--top-p", 0)
+    assert bad.returncode == 2 and "--top-p: must be in (0, 1], got 0.0" in bad.stderr
+
+
 def test_example_missing_and_mismatched_checkpoints(tmp_path):
     result = run_example("--target", tmp_path / "nowhere", "--eagle", tmp_path / "nothing")
     assert result.returncode == 2 and "nowhere does not exist: check the path" in result.stderr

@@ -3,7 +3,9 @@
     out = specpass.generate(model, input_ids, attention_mask=mask, assistant_model=draft, max_new_tokens=64)
 
 Left-padded `input_ids` [B, P] and `attention_mask` in; prompt + new tokens out, [B, P + N], rows
-that stop early padded with `pad_token_id`, as `model.generate(do_sample=False)` returns them.
+that stop early padded with `pad_token_id`, as `model.generate` returns them. do_sample=True samples
+with `temperature`, `top_k`, `top_p` (the model's generation_config's where not given, as
+`generate` takes them) and `seed`; speculative sampling keeps that distribution exactly.
 The loop is specpass's `Decoder` (specpass/speculative.py) over the adapters in adapters.py.
 """
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import inspect
 import logging
 import re
 from collections.abc import Callable
@@ -49,7 +50,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
              assistant_tokenizer: Any = None, compile: str | Callable = "specpass", mode: str | None = None,
              fused_round: bool | None = None, cache_len: int | None = None, return_dict_in_generate: bool = False,
              **sampling: Any) -> Tensor | GenerateOutput:
-    """Greedy (lossless) speculative decoding of `model`; see docs/hf.md.
+    """Lossless speculative decoding of `model`, greedy or sampled; see docs/hf.md.
 
     assistant_model: None (plain decoding, compiled the same way), a transformers causal LM with the
       model's tokenizer (a standalone draft), or any `specpass.speculative.Drafter`, e.g. an
@@ -60,8 +61,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
       fused_round: default CUDA graphs ("reduce-overhead") and the fused round on a GPU.
     cache_len: the static cache length (default: the longest prompt + max_new_tokens + 2K + 1);
       a fixed one lets calls with other prompt lengths reuse the compiled steps.
-    sampling (`temperature`, `top_k`, `top_p`, `seed`, with do_sample=True): passed to the loop
-      once it samples.
+    sampling (with do_sample=True): `temperature`, `top_k`, `top_p` (default: the model's
+      generation_config's, as `generate`), `seed` (the same seed gives the same tokens).
     """
     check_model(model, "model")
     standalone = isinstance(assistant_model, PreTrainedModel)  # else None or a specpass Drafter
@@ -72,7 +73,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     prompts = _prompts(input_ids, attention_mask)
     eos = _eos(model, eos_token_id)
     pad = next((p for p in (pad_token_id, model.generation_config.pad_token_id, eos) if p is not None), None)
-    options = _sampling(do_sample, sampling)
+    options = _sampling(model, do_sample, sampling)
 
     need = max(map(len, prompts)) + max_new_tokens + 2 * k + 1
     if cache_len is not None and cache_len < need:
@@ -131,18 +132,21 @@ def _eos(model: nn.Module, eos_token_id: int | list[int] | None) -> int | None:
     return ids[0] if ids else None
 
 
-def _sampling(do_sample: bool, sampling: dict[str, Any]) -> dict[str, Any]:
-    """The sampling keywords for `Decoder.generate`, once it takes them; {} for greedy decoding."""
+def _sampling(model: nn.Module, do_sample: bool, sampling: dict[str, Any]) -> dict[str, Any]:
+    """The sampling keywords for `Decoder.generate`; {} for greedy decoding. Unset ones are the
+    generation_config's (transformers' defaults: temperature 1, top_k 50, top_p 1)."""
     unknown = sorted(set(sampling) - set(SAMPLING))
     if unknown:
         raise TypeError(f"generate() got unexpected keyword arguments {unknown}")
     if not do_sample:
+        if any(sampling.get(name) is not None for name in ("temperature", "top_k", "top_p")):
+            raise ValueError("temperature, top_k and top_p take effect with do_sample=True (as in transformers' "
+                             "generate); without it decoding is greedy")
         return {}
-    takes = inspect.signature(Decoder.generate).parameters
-    if not all(name in takes for name in sampling):
-        raise NotImplementedError("specpass's loop decodes greedily for now: pass do_sample=False (the default); "
-                                  "sampling is planned")
-    return {name: value for name, value in sampling.items() if value is not None}
+    config = model.generation_config
+    chosen = {name: sampling[name] if sampling.get(name) is not None else getattr(config, name, None)
+              for name in ("temperature", "top_k", "top_p")}
+    return {name: value for name, value in {**chosen, "seed": sampling.get("seed")}.items() if value is not None}
 
 
 def _describe(x: Any) -> str:

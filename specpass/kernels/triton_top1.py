@@ -1,4 +1,13 @@
-"""The CUDA implementation of `specpass::top1_lse` (kernels/__init__.py): one pass over each row.
+"""The CUDA implementations of `specpass::top1_lse` and `specpass::sample` (kernels/__init__.py):
+one pass over each row, one kernel for both.
+
+Each element is first turned into the value the row is reduced over (`_score`): for top1_lse the
+prologue folded into the op, s = x * scale or x / scale in fp32, correctly rounded (mul_rn,
+div_rn: Triton's default fp32 division is approximate), then rounded to a 16-bit dtype where the
+original rounded; for sample, x / T (div_rn) plus the Gumbel noise of the counter hash, the same
+uint32 arithmetic as specpass.sampling.uniform so that the uniforms are bit-identical, -inf under
+the floor. Then the same reduction serves both: sample keeps the max and its first index, top1_lse
+also the sum of exp.
 
 A program reads a chunk of one row, a tile of E x T elements at a step: each thread holds E
 vectors of VEC adjacent elements (16 bytes, so every load is 16 bytes wide), T elements apart.
@@ -28,6 +37,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+NONE, MUL, DIV = 0, 1, 2  # top1_lse's prologue
 
 
 @triton.jit
@@ -37,15 +49,58 @@ def _lanes(v):
 
 
 @triton.jit
-def _step(x, m, t, z, jj):
-    """Fold one tile (fp32, first column jj) into the lanes' (m, t, z)."""
-    gm = tl.max(tl.max(x, 2), 1)  # skips NaN: a NaN shows up in z
+def _step(x, m, t, z, jj, SUM: tl.constexpr):
+    """Fold one tile (fp32, first column jj) into the lanes' (m, t, z); z only with SUM."""
+    gm = tl.max(tl.max(x, 2), 1)  # skips NaN: a NaN shows up in z (sample has none: _score)
     t = tl.where(gm > m, jj, t)  # strictly bigger: a lane keeps the first tile holding its max
     m_new = tl.maximum(m, gm)
-    ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane of -inf alone adds 0, not NaN
-    s = tl.sum(tl.sum(tl.exp2((x - _lanes(ref)) * 1.4426950408889634), 2), 1)
-    z = z * tl.exp2((m - ref) * 1.4426950408889634) + s
+    if SUM:
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane of -inf alone adds 0, not NaN
+        s = tl.sum(tl.sum(tl.exp2((x - _lanes(ref)) * 1.4426950408889634), 2), 1)
+        z = z * tl.exp2((m - ref) * 1.4426950408889634) + s
     return m_new, t, z
+
+
+@triton.jit
+def _mix32(x):
+    """murmur3's finaliser on uint32 (specpass.sampling.mix32, there in int64)."""
+    x = x ^ (x >> 16)
+    x = x * 0x85EBCA6B
+    x = x ^ (x >> 13)
+    x = x * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _uniform(key, cols):
+    """specpass.sampling.uniform(key, cols), bit for bit: key uint32, cols int32 >= 0."""
+    h = _mix32(key ^ _mix32(cols.to(tl.uint32) ^ 0x9E3779B9))
+    return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23: exact, in (0, 1)
+
+
+@triton.jit
+def _score(raw, cols, scale, key, floor, PROLOGUE: tl.constexpr, ROUND: tl.constexpr,
+           SAMPLE: tl.constexpr, FLOOR: tl.constexpr):
+    """What a row is reduced over, fp32. top1_lse: x, x * scale or x / scale
+    rounded to ROUND (if not None). sample (scale: the row's temperature, key: its uint32 key):
+    x / scale + gumbel(key, column), -inf where x < floor; where scale is not > 0, x. NaN counts as
+    +inf there, as torch.argmax takes it for the largest."""
+    x = raw.to(tl.float32)
+    if SAMPLE:
+        greedy = ~(scale > 0)  # NaN too, as the torch implementation
+        s = tl.div_rn(x, tl.where(greedy, 1.0, scale)) - libdevice.log(-libdevice.log(_uniform(key, cols)))
+        if FLOOR:
+            s = tl.where(x >= floor, s, float("-inf"))
+        s = tl.where(greedy, x, s)
+        x = tl.where(s == s, s, float("inf"))
+    else:
+        if PROLOGUE == 1:
+            x = x * scale  # rounded as torch's: an fma can only take it into exp's argument, never into s
+        elif PROLOGUE == 2:
+            x = tl.div_rn(x, scale)
+        if ROUND is not None:
+            x = x.to(ROUND).to(tl.float32)  # to nearest even (the interpreter truncates)
+    return x
 
 
 @triton.jit
@@ -59,9 +114,15 @@ def _merge(m1, z1, m2, z2):
 
 @triton.jit
 def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, out_v_ptr, splits,
-                  E: tl.constexpr, T: tl.constexpr, VEC: tl.constexpr, FINAL: tl.constexpr, LOG: tl.constexpr):
+                  scale_ptr, scale_stride, scalar, key_ptr, floor_ptr,
+                  E: tl.constexpr, T: tl.constexpr, VEC: tl.constexpr, FINAL: tl.constexpr, LOG: tl.constexpr,
+                  PROLOGUE: tl.constexpr, PER_ROW: tl.constexpr, ROUND: tl.constexpr, SAMPLE: tl.constexpr,
+                  FLOOR: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     base = x_ptr + row.to(tl.int64) * stride  # the rest of the index math is int32
+    scale = tl.load(scale_ptr + row * scale_stride) if PER_ROW else scalar
+    key = tl.load(key_ptr + row).to(tl.uint32) if SAMPLE else 0
+    floor = tl.load(floor_ptr + row) if FLOOR else 0.0
     start = part * chunk
     end = tl.minimum(start + chunk, V)
     BLOCK: tl.constexpr = E * T
@@ -75,40 +136,55 @@ def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, out_
     raw = tl.load(base + start + offs, mask=start < full_end, other=0.0)
     for jj in range(start, full_end, BLOCK):  # whole tiles, each loaded one step ahead
         raw_next = tl.load(base + jj + BLOCK + offs, mask=jj + BLOCK < full_end, other=0.0)
-        m, t, z = _step(raw.to(tl.float32), m, t, z, jj)
+        x = _score(raw, jj + offs, scale, key, floor, PROLOGUE, ROUND, SAMPLE, FLOOR)
+        m, t, z = _step(x, m, t, z, jj, not SAMPLE)
         raw = raw_next
     if full_end < end:  # the last, partial tile
         cols = full_end + offs
-        x = tl.load(base + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
-        m, t, z = _step(x, m, t, z, full_end)
-    top, total = tl.reduce((m, z), 0, _merge)
-    # the first position of the max: each lane holding it reads its tile again (NaN never equals)
+        raw = tl.load(base + cols, mask=cols < end, other=0.0)
+        x = tl.where(cols < end, _score(raw, cols, scale, key, floor, PROLOGUE, ROUND, SAMPLE, FLOOR), float("-inf"))
+        m, t, z = _step(x, m, t, z, full_end, not SAMPLE)
+    if SAMPLE:
+        top = tl.max(m, 0)
+    else:
+        top, z = tl.reduce((m, z), 0, _merge)
+    # the first position of the max: each lane holding it scores its tile again (NaN never equals)
     cols = _lanes(t) + offs
-    again = tl.load(base + cols, mask=(cols < end) & (_lanes(m) == top), other=float("nan")).to(tl.float32)
+    lane_has_top = (cols < end) & (_lanes(m) == top)
+    raw = tl.load(base + cols, mask=lane_has_top, other=0.0)
+    again = tl.where(lane_has_top, _score(raw, cols, scale, key, floor, PROLOGUE, ROUND, SAMPLE, FLOOR), float("nan"))
     index = tl.min(tl.min(tl.min(tl.where(again == top, cols, end), 2), 1), 0)
     index = tl.where(index < end, index, start)  # an empty chunk
-    top = tl.where(total == total, top, float("inf"))  # a NaN or +inf in the chunk: its row's index is 0
+    if not SAMPLE:
+        top = tl.where(z == z, top, float("inf"))  # a NaN or +inf in the chunk: its row's index is 0
     if FINAL:
-        _store_row(out_i_ptr, out_m_ptr, out_z_ptr, out_v_ptr, row, index.to(tl.int64), top, total, LOG)
+        if SAMPLE:
+            tl.store(out_i_ptr + row, index.to(tl.int64))
+        else:
+            _store_row(out_i_ptr, out_m_ptr, out_z_ptr, out_v_ptr, row, index.to(tl.int64), top, z, LOG)
     else:
         tl.store(out_i_ptr + row * splits + part, index.to(tl.int64))
         tl.store(out_m_ptr + row * splits + part, top)
-        tl.store(out_z_ptr + row * splits + part, total)
+        if not SAMPLE:
+            tl.store(out_z_ptr + row * splits + part, z)
 
 
 @triton.jit
 def _combine_kernel(part_i_ptr, part_m_ptr, part_z_ptr, splits, out_i_ptr, out_m_ptr, out_lse_ptr, out_v_ptr,
-                    BLOCK_S: tl.constexpr, LOG: tl.constexpr):
+                    BLOCK_S: tl.constexpr, LOG: tl.constexpr, SAMPLE: tl.constexpr):
     row = tl.program_id(0)
     parts = tl.arange(0, BLOCK_S)
     valid = parts < splits
     m = tl.load(part_m_ptr + row * splits + parts, mask=valid, other=float("-inf"))
-    z = tl.load(part_z_ptr + row * splits + parts, mask=valid, other=0.0)
     i = tl.load(part_i_ptr + row * splits + parts, mask=valid, other=0)
     top = tl.max(m, 0)
     index = tl.min(tl.where((m == top) & valid, i, 2**62), 0)  # chunks are in order: the first
-    total = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - top)), 0)
-    _store_row(out_i_ptr, out_m_ptr, out_lse_ptr, out_v_ptr, row, index, top, total, LOG)
+    if SAMPLE:
+        tl.store(out_i_ptr + row, index)
+    else:
+        z = tl.load(part_z_ptr + row * splits + parts, mask=valid, other=0.0)
+        total = tl.sum(tl.where(m == float("-inf"), 0.0, z * tl.exp(m - top)), 0)
+        _store_row(out_i_ptr, out_m_ptr, out_lse_ptr, out_v_ptr, row, index, top, total, LOG)
 
 
 @triton.jit
@@ -156,34 +232,66 @@ def config_for(rows: int, vocab: int, itemsize: int, sms: int = 132) -> tuple[in
 
 
 def top1_lse(logits: torch.Tensor, log: bool = False, dtype: torch.dtype | None = None,
-             config: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(index, top, lse, value) of each row (kernels/__init__.py); `config` = (E, num_warps,
-    splits[, num_stages]) overrides config_for (for tuning)."""
-    R, V = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+             scale: torch.Tensor | None = None, scalar: float = 1.0, divide: bool = False,
+             rounding: torch.dtype | None = None, config: tuple[int, ...] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(index, top, lse, value) of each row of the prologue's s (kernels/__init__.py); `config` =
+    (E, num_warps, splits[, num_stages]) overrides config_for (for tuning)."""
+    R = logits.shape[0]
     index = logits.new_empty(R, dtype=torch.int64)
     top = logits.new_empty(R, dtype=torch.float32)
     lse = logits.new_empty(R, dtype=torch.float32)
     value = logits.new_empty(R, dtype=dtype or torch.float32)
+    prologue = NONE if scale is None and scalar == 1.0 else DIV if divide else MUL
+    _reduce(logits, (index, top, lse, value), config, scale=scale, scalar=scalar, LOG=log, PROLOGUE=prologue,
+            ROUND=_TRITON_DTYPES[rounding] if rounding is not None else None, SAMPLE=False)
+    return index, top, lse, value
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor, floor: torch.Tensor | None = None,
+           config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """argmax(x / T + gumbel(key, column)) of each row over x >= floor; x's first arg-max where T is
+    not > 0 (kernels/__init__.py)."""
+    index = logits.new_empty(logits.shape[0], dtype=torch.int64)
+    _reduce(logits, (index,), config, scale=temperature, key=key, floor=floor, LOG=False, PROLOGUE=NONE, ROUND=None,
+            SAMPLE=True)
+    return index
+
+
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: None}
+
+
+def _reduce(logits: torch.Tensor, outs: tuple[torch.Tensor, ...], config: tuple[int, ...] | None,
+            scale: torch.Tensor | None = None, scalar: float = 1.0, key: torch.Tensor | None = None,
+            floor: torch.Tensor | None = None, **flags) -> None:
+    """One pass over each row into `outs` (top1_lse: index, top, lse, value; sample: index): one
+    launch over whole rows, or chunks of each row and a combining launch (config_for)."""
+    R, V = logits.shape
     if R == 0:
-        return index, top, lse, value
+        return
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    per_row = scale is not None
+    scale, key, floor = (t if t is None else t.contiguous() for t in (scale, key, floor))  # read at row
     sms = _sms(logits.device.index or 0)
     E, warps, splits, *stages = config or config_for(R, V, logits.element_size(), sms)
     vec = max(1, 16 // logits.element_size())
     T = vec * 32 * warps
     chunk = math.ceil(V / max(splits, 1) / (E * T)) * E * T
     splits = math.ceil(V / chunk) if V else 1
-    consts = dict(E=E, T=T, VEC=vec, num_warps=warps, **({"num_stages": stages[0]} if stages else {}))
+    row_args = (scale if per_row else logits, 1 if per_row and scale.numel() > 1 else 0, scalar,
+                key if key is not None else logits, floor if floor is not None else logits)
+    consts = dict(E=E, T=T, VEC=vec, num_warps=warps, PER_ROW=per_row, FLOOR=floor is not None, **flags,
+                  **({"num_stages": stages[0]} if stages else {}))
+    index, top, lse, value = outs if len(outs) == 4 else (outs[0],) * 4  # sample writes the index alone
     if splits == 1:
-        _chunk_kernel[(R, 1)](logits, logits.stride(0), V, chunk, index, top, lse, value, 1, FINAL=True, LOG=log,
+        _chunk_kernel[(R, 1)](logits, logits.stride(0), V, chunk, index, top, lse, value, 1, *row_args, FINAL=True,
                               **consts)
-        return index, top, lse, value
+        return
     part_i = logits.new_empty(R, splits, dtype=torch.int64)
     part_m = logits.new_empty(R, splits, dtype=torch.float32)
-    part_z = logits.new_empty(R, splits, dtype=torch.float32)
-    _chunk_kernel[(R, splits)](logits, logits.stride(0), V, chunk, part_i, part_m, part_z, value, splits,
-                               FINAL=False, LOG=log, **consts)
+    part_z = part_m if flags["SAMPLE"] else logits.new_empty(R, splits, dtype=torch.float32)
+    _chunk_kernel[(R, splits)](logits, logits.stride(0), V, chunk, part_i, part_m, part_z, value, splits, *row_args,
+                               FINAL=False, **consts)
     _combine_kernel[(R,)](part_i, part_m, part_z, splits, index, top, lse, value,
-                          BLOCK_S=triton.next_power_of_2(splits), LOG=log)
-    return index, top, lse, value
+                          BLOCK_S=triton.next_power_of_2(splits), LOG=flags["LOG"], SAMPLE=flags["SAMPLE"])

@@ -37,6 +37,17 @@ ids is s_c[ids] - lse (the same functions of the logits, summed in another order
 for argmax_ties="eager", topk(k > 1) and float64 inputs (the kernel accumulates in fp32), the
 formulation above, which Inductor fuses.
 
+Prologues (one_pass only, `_prologue`): the op reads the logits under what made s, when that is
+exact casts (identities, f16/bf16 -> f32, softmax's widening dtype=) around at most one scaling
+div(data, t) / mul(data, t) / mul(t, data) by a number or a float tensor of one value per row.
+The op computes each element as ATen does (fp32 operands, the result correctly rounded, then
+rounded to the scaling's 16-bit dtype), so its s is the graph's s, bit for bit, for a factor of
+any sign or value; no positivity is assumed or needed. Left out, with the reason in the finding
+("prologue not folded: ..."): a tensor factor whose dtype is neither the result's nor a 16-bit
+one under an fp32 result (devices convert it differently), a factor that is not one value per
+row, a narrowing cast, and logits or factor written in place anywhere (the op runs after the
+softmax).
+
 Non-finite rows: where m is +inf or NaN, softmax gives NaN everywhere and the original's index
 is the one its reduction gives an all-NaN row: 0 for max and argmax, topk's own order for topk
 (which is why topk's input becomes NaN there); the values come out NaN through m and z.
@@ -74,7 +85,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import operator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -215,6 +226,7 @@ class _Softmax:
             and in_dtype in (torch.float32, *_HALF) and self.device.type in ONE_PASS_DEVICES \
             and (self.device.type != "cuda" or importlib.util.find_spec("triton") is not None)
         self._cache: dict[Any, fx.Node] = {}
+        self.prologue, self.unfolded = _prologue(self.s, self.cast_to) if self.one_pass else (None, "")
 
     def plan(self, stats: bool) -> None:
         """Split the softmax axis into chunks when the rows alone are too few (see CHUNK_ROWS)."""
@@ -284,14 +296,38 @@ class _Softmax:
         if "top1" not in self._cache:
             import specpass.kernels  # noqa: F401  registers torch.ops.specpass.top1_lse
 
-            rows = emit(self.graph, aten.reshape.default, (self.s_in(), [-1, self.shape[-1]]))
             # the value comes rounded to the softmax's dtype, where every use of it rounds first
-            rounded = (self.out_dtype,) if self.out_dtype != torch.float32 else ()
-            both = emit(self.graph, torch.ops.specpass.top1_lse.default, (rows, self.is_log, *rounded))
+            rounded = self.out_dtype if self.out_dtype != torch.float32 else None
+            if self.prologue is None:
+                rows = emit(self.graph, aten.reshape.default, (self.s_in(), [-1, self.shape[-1]]))
+                args: tuple = (rows, self.is_log, *((rounded,) if rounded else ()))
+            else:
+                p = self.prologue
+                rows = emit(self.graph, aten.reshape.default, (p.logits, [-1, self.shape[-1]]))
+                args = (rows, self.is_log, rounded, self._per_row(p.factor) if isinstance(p.factor, fx.Node) else None,
+                        1.0 if isinstance(p.factor, fx.Node) else float(p.factor), p.divide, p.rounding)
+            both = emit(self.graph, torch.ops.specpass.top1_lse.default, args)
             self._cache["top1"] = tuple(
                 emit(self.graph, aten.reshape.default, (emit(self.graph, operator.getitem, (both, i)),
                                                         list(self.shape[:-1]) + [1])) for i in range(4))
         return self._cache["top1"]
+
+    def _per_row(self, factor: fx.Node) -> fx.Node:
+        """A factor that broadcasts over the softmax's rows as the op takes it: [rows] (or [1]) fp32."""
+        if val(factor).numel() == 1:
+            flat = emit(self.graph, aten.reshape.default, (factor, [1]))
+        else:
+            shape = list(self.shape[:-1]) + [1]
+            if not same_shape(val(factor).shape, shape):
+                factor = emit(self.graph, aten.expand.default, (factor, shape))
+            flat = emit(self.graph, aten.reshape.default, (factor, [-1]))
+        return flat if val(flat).dtype == torch.float32 else emit(self.graph, aten.to.dtype, (flat, torch.float32))
+
+    def one_pass_reads(self) -> str:
+        """What the one-pass op reads, for the report."""
+        if self.prologue is None:
+            return self.s_in().name + (f" (prologue not folded: {self.unfolded})" if self.unfolded else "")
+        return f"{self.prologue.logits.name}, folding {self.prologue.spelled}"
 
     def _reads_one_pass(self, dims: list[int], k: int) -> bool:
         return self.one_pass and dims == [self.dim] and k == 1
@@ -487,7 +523,7 @@ class _Softmax:
             if target is aten.topk.default and not self.topk_keeps_first(k):
                 how = f"topk({self.s_in().name}, {k})"
             elif self._reads_one_pass(dims, k):
-                how = f"top1_lse({self.s_in().name}) index (one pass)"
+                how = f"top1_lse({self.one_pass_reads()}) index (one pass)"
             else:
                 how = ("first index rounding to the max probability" if self.strict
                        else f"argmax({self.s_in().name}), 0 where the max is not finite")
@@ -506,7 +542,8 @@ class _Softmax:
                 what.append("values = ones (max_probs='ones')")
             elif self._reads_one_pass(dims, k):
                 values = self._round(self.values(target, args, dims, k), [self.out_dtype] + casts)
-                what.append("values = " + ("top - lse" if self.is_log else "exp(top - lse)") + " (one pass)")
+                what.append("values = " + ("top - lse" if self.is_log else "exp(top - lse)") + " (one pass)"
+                            + ("" if indices_out else f" of top1_lse({self.one_pass_reads()})"))
             else:
                 values = self._round(self.values(target, args, dims, k), [self.out_dtype] + casts)
                 what.append("values = " + ("top - max - log(sum(exp(s - max)))" if self.is_log
@@ -553,6 +590,101 @@ class _Softmax:
                 raise _Refuse(f"argmax_ties='eager': topk({k}) orders equal probabilities its own way, not "
                               "first index first; only the probabilities themselves reproduce that order")
         return dims, k
+
+
+class _Prologue(NamedTuple):
+    """s = round(logits ÷ or × factor) as top1_lse computes it (kernels/__init__.py)."""
+
+    logits: fx.Node  # what the op reads: f32, bf16 or f16, the softmax's shape
+    factor: fx.Node | float  # a tensor broadcast over the rows, or a number; 1.0: no scaling
+    divide: bool
+    rounding: torch.dtype | None  # the quotient's 16-bit dtype, where torch rounds it
+    spelled: str  # for the report
+
+
+_SCALINGS = {aten.div.Tensor: True, aten.div.Scalar: True, aten.mul.Tensor: False, aten.mul.Scalar: False}
+
+
+def _exact_cast(node: Any) -> bool:
+    """A cast or identity that keeps every value exactly: to the same dtype, or f16/bf16 -> f32."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target in SAME_VALUES):
+        return False
+    a, b = val(node.args[0]), val(node)
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device
+            and same_shape(a.shape, b.shape) and _widens(a.dtype, b.dtype))
+
+
+def _widens(a: torch.dtype, b: torch.dtype) -> bool:
+    return a == b or (a in _HALF and b == torch.float32)
+
+
+def _through_exact_casts(node: fx.Node) -> fx.Node:
+    while _exact_cast(node):
+        node = node.args[0]
+    return node
+
+
+def _prologue(s: fx.Node, cast_to: torch.dtype | None) -> tuple[_Prologue | None, str]:
+    """The casts and the temperature that made the softmax's input, folded into top1_lse's read of
+    the logits, or None and why not ("" where there is nothing to fold). Exact or nothing: the op
+    computes each element as torch computes it (correctly rounded in fp32, then rounded to the
+    quotient's 16-bit dtype), whatever the factor's sign or value, so no sign need be proven."""
+    if cast_to is not None and not _widens(val(s).dtype, cast_to):
+        return None, f"softmax's dtype= {cast_to} rounds its {val(s).dtype} input"
+    node = _through_exact_casts(s)
+    factor: fx.Node | float = 1.0
+    divide, rounding, spelled = False, None, ""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in _SCALINGS:
+        out = val(node)
+        a, b = node.args[:2]
+        divide = _SCALINGS[node.target]
+        data, factor = (a, b) if divide or _is_full(a, out) else (b, a)
+        if not _is_full(data, out):
+            return None, f"{node.name} scales a tensor of another shape than the softmax's"
+        why = _factor_refusal(factor, out)
+        if why:
+            return None, f"{node.name}: {why}"
+        if not _widens(val(data).dtype, out.dtype):
+            return None, f"{node.name} rounds its {val(data).dtype} operand to {out.dtype} first"
+        rounding = out.dtype if out.dtype in _HALF else None
+        spelled = ("/ " if divide else "* ") + (factor.name if isinstance(factor, fx.Node) else repr(factor))
+        node = _through_exact_casts(data)
+    if node is s and cast_to is None:
+        return None, ""
+    if not isinstance(node, fx.Node) or val(node).dtype not in (torch.float32, *_HALF):
+        return None, "the logits are not an f32, bf16 or f16 tensor"
+    for n in (node, factor):
+        if isinstance(n, fx.Node) and is_written_in_place(n):
+            return None, f"{n.name} is written in place"
+    if val(node).dtype != torch.float32 or cast_to is not None:
+        spelled = "the cast" + (" and " if spelled else "") + spelled
+    return _Prologue(node, factor, divide, rounding, spelled), ""
+
+
+def _is_full(node: Any, out: torch.Tensor) -> bool:
+    return isinstance(node, fx.Node) and isinstance(val(node), torch.Tensor) and same_shape(val(node).shape, out.shape)
+
+
+def _factor_refusal(factor: Any, out: torch.Tensor) -> str:
+    """Why a factor cannot be the op's per-row scale ("" where it can): a real number, or a float
+    tensor of one value per row (broadcast over the last axis), converted to fp32 exactly as torch
+    converts it on every device."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float, fx.Node)):
+        return f"the factor {factor!r} is not a real number or a tensor"
+    if not isinstance(factor, fx.Node):
+        return ""
+    f = val(factor)
+    if not isinstance(f, torch.Tensor) or not f.is_floating_point():
+        return f"the factor {factor.name} is not a float tensor"
+    if f.device != out.device:
+        return f"the factor {factor.name} is on {f.device}"
+    padded = [1] * (out.dim() - f.dim()) + list(f.shape)  # broadcasting aligns the last axes
+    if f.dim() > out.dim() or not known(padded[-1] == 1) or any(
+            not (known(a == 1) or known(a == b)) for a, b in zip(padded[:-1], out.shape[:-1])):
+        return f"the factor {factor.name} {list(f.shape)} is not one value per row of {list(out.shape)}"
+    if not _widens(f.dtype, out.dtype):  # CPU and CUDA convert such a divisor differently
+        return f"the factor {factor.name} is {f.dtype}, the result {out.dtype}"
+    return ""
 
 
 def _ceil_div(a: int, b: int) -> int:
