@@ -15,10 +15,11 @@ of new tokens per request:
                  mode="reduce-overhead"; prefill runs eagerly)
   hf-assisted    transformers' assisted generation, generate(assistant_model=the standalone draft);
                  batch size 1 only (transformers' limit), eager, its default schedule
-  DRAFTER/LOOP   our loop with DRAFTER in {eagle3, draft} and LOOP in {inductor-apart (plain
-                 Inductor, one graph per step), specpass-apart, specpass-fused (one graph per round)}
-K = 4 for every loop, and each K of --k-sweep for eagle3/specpass-fused (the best K per batch
-size). "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
+  DRAFTER/LOOP   our loop with DRAFTER in {eagle3, draft, parallel (the P-EAGLE head: verify + one
+                 draft forward per round)} and LOOP in {inductor-apart (plain Inductor, one graph
+                 per step), specpass-apart, specpass-fused (one graph per round)}
+K = 4 for every loop, and each K of --k-sweep for eagle3/specpass-fused and parallel/specpass-fused
+(the best K per batch size). "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
 in every variant, HF's too) included; "decode tokens/s" counts the rounds alone (our loops).
 Every compiled variant uses CUDA graphs (mode="reduce-overhead"). A variant's first generate
 compiles it (its wall time is "compile s"); then the loop variants are timed interleaved,
@@ -52,10 +53,11 @@ sys.path.insert(0, str(ROOT))
 
 CHECKPOINTS = ROOT / "checkpoints"
 TARGET, DRAFTERS = CHECKPOINTS / "stdlib-llama", {"eagle3": ("eagle", CHECKPOINTS / "stdlib-llama-eagle3"),
-                                                   "draft": ("draft", CHECKPOINTS / "stdlib-llama-draft")}
+                                                   "draft": ("draft", CHECKPOINTS / "stdlib-llama-draft"),
+                                                   "parallel": ("parallel", CHECKPOINTS / "stdlib-llama-peagle3")}
 LOOPS = {"inductor-apart": ("inductor", False), "specpass-apart": ("specpass", False),
          "specpass-fused": ("specpass", True)}
-SWEPT = "eagle3/specpass-fused"  # the variant also run at each K of --k-sweep
+SWEPT = ("eagle3/specpass-fused", "parallel/specpass-fused")  # the variants also run at each K of --k-sweep
 
 
 def prefix_agreement(got: list[list[int]], want: list[list[int]]) -> float:
@@ -201,10 +203,10 @@ def sweep(args, save) -> list[dict]:
               f"round {row['round_ms']} ms, compile {row['compile_s']:.0f} s, agree {agree} ({prefix:.2f})",
               file=sys.stderr)
 
-    loops = [("plain", None, "inductor", True, 0)]
+    loops = [] if args.no_plain else [("plain", None, "inductor", True, 0)]
     for drafter, (loop, (compile, fused)) in itertools.product(DRAFTERS, LOOPS.items()):
         if f"{drafter}/{loop}" in args.variants:
-            sweep_k = [k for k in args.k_sweep if k != args.k] if f"{drafter}/{loop}" == SWEPT else []
+            sweep_k = [k for k in args.k_sweep if k != args.k] if f"{drafter}/{loop}" in SWEPT else []
             loops += [(f"{drafter}/{loop}", drafter, compile, fused, k) for k in [args.k, *sweep_k]]
     for bs in args.bs:
         prompts = bench.batch(bs)
@@ -364,10 +366,12 @@ def main() -> None:
     parser.add_argument("--bs", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--k-sweep", default="3,5,6", type=lambda s: [int(x) for x in s.split(",") if x],
-                        help=f"more K for {SWEPT} (the best K per batch size)")
+                        help=f"more K for {', '.join(SWEPT)} (the best K per batch size)")
     all_variants = ["hf-static", "hf-assisted"] + [f"{d}/{loop}" for d in DRAFTERS for loop in LOOPS]
     parser.add_argument("--variants", default=",".join(all_variants), type=lambda s: s.split(","),
-                        help=f"comma-separated, of {all_variants} (plain always runs)")
+                        help=f"comma-separated, of {all_variants} (plain runs too, unless --no-plain)")
+    parser.add_argument("--no-plain", action="store_true",
+                        help="skip plain decoding in the greedy sweep (agree then compares with the first variant)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--check-bs", type=int, default=8, help="batch size of the fp32 exactness check")

@@ -13,6 +13,11 @@ Phase 2, against the frozen target (the bf16 weights it ships with), jointly:
     distribution over `--rollout` steps, step j weighted 0.8**j, aligned as inference runs it
     (`eagle3_rollout`);
   - a 2-layer standalone Llama draft, distilled with soft cross-entropy against the target.
+With `--parallel`, phase 2 trains a parallel-drafting EAGLE-3 head instead (models/peagle.py;
+P-EAGLE, arXiv 2602.01469): one forward over the verified rows plus K-1 mask slots at every slot at
+once, depths kept by conditional drop-token sampling (depth j keeps a random `--cod-ratio`**j of
+the slots, nested in depth j-1's), KL to the target's distribution (`parallel_rows`). It writes
+stdlib-llama-peagle3/ and train_log_parallel.json.
 Each phase has a wall-clock budget, compilation included: the number of steps (and so the cosine
 schedule) follows from the step time measured after warm-up; `--target-steps` / `--drafts-steps`
 fix it instead. Then an evaluation on the held-out modules, and the folders under --out:
@@ -54,6 +59,8 @@ from models.checkpoint import checkpoint_tensors, load, save  # noqa: E402
 from models.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from models.layers import rope  # noqa: E402
 from models.llama import Llama, LlamaConfig  # noqa: E402
+from models.peagle import ParallelEagle3Config, ParallelEagle3Head  # noqa: E402
+from models.text import BOS  # noqa: E402
 from models.text import HELD_OUT, VOCAB, corpus, make_prompts  # noqa: E402
 
 TARGET = LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
@@ -62,6 +69,7 @@ TARGET = LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, 
 EAGLE3 = Eagle3Config(vocab_size=VOCAB, draft_vocab_size=VOCAB, hidden_size=384, intermediate_size=1024,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
                       max_position_embeddings=2048)
+PEAGLE3 = ParallelEagle3Config(**dataclasses.asdict(EAGLE3), mask_token_id=BOS)  # BOS only starts a file
 DRAFT = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
                     tie_word_embeddings=True, max_position_embeddings=2048)
@@ -70,10 +78,13 @@ TINY = dict(  # --tiny: the same shapes of model, small enough for a CPU test
                                num_attention_heads=4, head_dim=16),
     eagle3=dataclasses.replace(EAGLE3, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
                                target_hidden_size=64),
+    peagle3=dataclasses.replace(PEAGLE3, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
+                                target_hidden_size=64),
     draft=dataclasses.replace(DRAFT, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                               num_key_value_heads=1, head_dim=16),
 )
-NAMES = dict(target="stdlib-llama", eagle3="stdlib-llama-eagle3", draft="stdlib-llama-draft")
+NAMES = dict(target="stdlib-llama", eagle3="stdlib-llama-eagle3", draft="stdlib-llama-draft",
+             peagle3="stdlib-llama-peagle3")
 SHARD_BYTES = 15 * 2**20  # files come back from the GPU machine in pieces of 16 MiB at most
 STEP_DECAY = 0.8  # EAGLE-3's weight of rollout step j: 0.8**j
 
@@ -141,6 +152,88 @@ def eagle3_rollout(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tenso
         logits.append(head.lm_head(head.norm(h)))
         hidden = F.pad(h[:, :-1], (0, 0, 1, 0))  # step j+1 at slot s reads step j's hidden at slot s-1
     return logits
+
+
+def cod_sizes(T: int, depths: int, ratio: float) -> list[int]:
+    """Rows per depth under conditional drop-token sampling: T, then round(T * ratio**j)."""
+    return [max(1, round(T * ratio**j)) for j in range(depths)]
+
+
+def cod_rows(T: int, depths: int, ratio: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conditional drop-token sampling: the rows of a parallel head's training forward -> (anchor
+    slot [N], depth [N]). Depth 0 is every slot (the verified rows); depth j >= 1 keeps
+    round(T * ratio**j) slots at random, a subset of depth j-1's (one permutation's prefixes)."""
+    order = torch.rand(T, device=device).argsort()
+    anchors = [order[:n].sort().values for n in cod_sizes(T, depths, ratio)]
+    return torch.cat(anchors), torch.cat([torch.full_like(a, j) for j, a in enumerate(anchors)])
+
+
+def parallel_rows(head: ParallelEagle3Head, tokens: torch.Tensor, features: torch.Tensor, anchor: torch.Tensor,
+                  depth: torch.Tensor) -> torch.Tensor:
+    """A parallel head's draft forward at every slot at once -> logits `[B, N, Vd]`.
+
+    Slot s holds token x_{s+1} (`tokens [B, T]`) and the target's fused state f_s (`features`), at
+    RoPE position s, as `eagle3_rollout`'s step 0. Row (s, j), j >= 1 (`anchor`, `depth` [N], from
+    `cod_rows`) is the j-th mask slot after slot s: mask token, `mask_hidden`, position s + j; it
+    attends to slots <= s and to mask slots 1..j of s, as in inference's forward when s is the last
+    verified slot. Row (s, j) predicts x_{s+2+j}.
+    """
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    B, T = tokens.shape
+    masks = anchor.numel() - T
+    toks = torch.cat([tokens, tokens.new_full((B, masks), head.config.mask_token_id)], 1)  # [B, N]
+    hidden = torch.cat([head.fc(features), head.fc(head.mask_hidden).expand(B, masks, -1)], 1)  # [B, N, H]
+    x = torch.cat([layer.input_layernorm(head.embed_tokens(toks)), layer.hidden_norm(hidden)], dim=-1)
+    rope_cs = rope((anchor + depth)[None], head.rope_dim, head.config.rope_theta, x.dtype)
+    q, k, v, gate = attn.project(x, rope_cs)
+    a_q, a_k, d_q, d_k = anchor[:, None], anchor[None], depth[:, None], depth[None]
+    mask = ((d_k == 0) & (a_k <= a_q)) | ((d_k > 0) & (a_k == a_q) & (d_k <= d_q))  # [N, N]
+    h = hidden + attn.output(attention(q, k, v, mask), gate)
+    h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return head.lm_head(head.norm(h))
+
+
+def parallel_kl(head: ParallelEagle3Head, target: Llama, x: torch.Tensor, depths: int, ratio: float,
+                autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[B, L]` -> (KL(target || head) per row `[B, N]`, the weight of each row `[N]`: 1 / (the
+    rows of its depth with a label in the window), 0 without one). Row (s, j)'s target is the
+    target's distribution at position s+1+j. Each depth weighs the same."""
+    with torch.no_grad(), autocast():
+        logits, features = llama_forward(target, x, target.eagle3_layers)
+    log_p = logits.float().log_softmax(-1)  # [B, L, V]
+    L = x.shape[1]
+    anchor, depth = cod_rows(L - 1, depths, ratio, x.device)
+    with autocast():
+        head_logits = parallel_rows(head, x[:, 1:], torch.cat(features, -1)[:, :-1], anchor, depth)
+    label = anchor + 1 + depth  # [N]
+    valid = label <= L - 1
+    log_p = log_p[:, label.clamp(max=L - 1)]  # [B, N, V]
+    kl = (log_p.exp() * (log_p - head_logits.float().log_softmax(-1))).sum(-1)
+    per_depth = torch.zeros(depths, device=x.device).index_add(0, depth, valid.float())  # [depths]
+    return kl, valid / per_depth[depth]
+
+
+@torch.no_grad()
+def evaluate_parallel(target: Llama, head: ParallelEagle3Head, held_out: torch.Tensor, length: int, batch: int,
+                      max_windows: int, depths: int, autocast) -> dict:
+    """Per depth j (draft j+1), on consecutive held-out windows with every slot kept: the head's
+    agreement with the target's arg-max at that position, given the true prefix."""
+    n = min(max_windows, held_out.numel() // length)
+    windows = held_out[: n * length].view(n, length).long()
+    hits, counts = torch.zeros(depths, dtype=torch.float64), torch.zeros(depths, dtype=torch.float64)
+    T = length - 1
+    anchor = torch.arange(T, device=held_out.device).repeat(depths)
+    depth = torch.arange(depths, device=held_out.device).repeat_interleave(T)
+    label = anchor + 1 + depth
+    valid = label <= T
+    for x in windows.split(batch):
+        with autocast():
+            logits, features = llama_forward(target, x, target.eagle3_layers)
+            head_logits = parallel_rows(head, x[:, 1:], torch.cat(features, -1)[:, :-1], anchor, depth)
+        agree = (head_logits.argmax(-1) == logits.argmax(-1)[:, label.clamp(max=T)]) & valid  # [B, N]
+        hits += agree.sum(0).view(depths, T).sum(1).double().cpu()
+        counts += (valid.view(depths, T).sum(1) * x.shape[0]).double().cpu()
+    return dict(windows=n, bytes=n * length, agreement=(hits / counts).tolist())
 
 
 def draft_outputs(target: Llama, head: Eagle3Head, draft: Llama, x: torch.Tensor, steps: int):
@@ -337,6 +430,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drafts-lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100, help="warm-up steps (at most a fifth of fixed --*-steps)")
     p.add_argument("--rollout", type=int, default=4, help="EAGLE-3 training-time-test steps")
+    p.add_argument("--parallel", action="store_true",
+                   help="phase 2 trains a parallel-drafting head (stdlib-llama-peagle3) instead; needs --target")
+    p.add_argument("--depths", type=int, default=8, help="parallel: draft positions trained (K at most)")
+    p.add_argument("--cod-ratio", type=float, default=0.7, help="parallel: depth j keeps ratio**j of the slots")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
     p.add_argument("--eval-windows", type=int, default=1024)
     p.add_argument("--prompts", type=int, default=32)
@@ -349,7 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     began = time.perf_counter()
     device = torch.device(args.device)
-    cfgs = TINY if args.tiny else dict(target=TARGET, eagle3=EAGLE3, draft=DRAFT)
+    cfgs = TINY if args.tiny else dict(target=TARGET, eagle3=EAGLE3, draft=DRAFT, peagle3=PEAGLE3)
     compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
                 else contextlib.nullcontext)  # CPU: fp32
@@ -390,6 +487,9 @@ def main(argv: list[str] | None = None) -> dict:
         save_bf16(target, target_dir)
         write_log()
     log["target_dir"] = str(target_dir)
+    if args.parallel:
+        return train_parallel(args, cfgs["peagle3"], target_dir, dirs["peagle3"], train_tokens, held_out, log, began,
+                              compile, autocast)
 
     # Phase 2 trains against the target as shipped: bf16 weights (held in fp32).
     target = load(Llama, target_dir, device=device, dtype=torch.float32).requires_grad_(False)
@@ -420,8 +520,41 @@ def main(argv: list[str] | None = None) -> dict:
                            args.eval_windows, args.rollout, autocast)
     write_log()
     print(report(log["eval"]))
-    print(f"wrote {', '.join(str(d) for d in dirs.values())}, prompts.json, train_log.json in "
+    print(f"wrote {', '.join(str(dirs[k]) for k in ('target', 'eagle3', 'draft'))}, prompts.json, train_log.json in "
           f"{log['wall_s']:.0f}s", flush=True)
+    return log
+
+
+def train_parallel(args, cfg: ParallelEagle3Config, target_dir, out_dir, train_tokens, held_out, log, began,
+                   compile, autocast) -> dict:
+    """Phase 2 with --parallel: the parallel head alone against the frozen target."""
+    device = train_tokens.device
+    target = load(Llama, target_dir, device=device, dtype=torch.float32).requires_grad_(False)
+    head = ParallelEagle3Head(cfg).to(device)
+    init_weights(head)
+    nn.init.normal_(head.mask_hidden, 0.0, 0.02)
+    head.t2d.fill_(True)
+    head.embed_tokens.weight = target.model.embed_tokens.weight
+    log["configs"] = dict(target=target.config.to_dict(), peagle3=cfg.to_dict())
+
+    def loss_fn(x):
+        kl, weight = parallel_kl(head, target, x, args.depths, args.cod_ratio, autocast)  # [B, N], [N]
+        per_depth = (kl.mean(0) * weight).split(cod_sizes(x.shape[1] - 1, args.depths, args.cod_ratio))
+        per_depth = torch.stack([d.sum() for d in per_depth])  # [depths]: mean KL at each depth
+        return per_depth.mean(), torch.cat([per_depth.mean()[None], per_depth])
+
+    log["parallel"] = train_phase("peagle3", loss_fn, [head], sampler(train_tokens, args.drafts_batch, args.seq_len,
+                                  args.seed + 1), args.drafts_lr, args.drafts_seconds, args.drafts_steps, args.warmup,
+                                  compile, args.log_every)
+    log["parallel"]["loss_parts"] = ["kl", *[f"kl depth {j}" for j in range(args.depths)]]
+    save_bf16(head, out_dir)
+    log["eval"] = evaluate_parallel(target, head.eval(), held_out, args.seq_len, 16, args.eval_windows, args.depths,
+                                    autocast)
+    log["wall_s"] = round(time.perf_counter() - began, 1)
+    (args.out / "train_log_parallel.json").write_text(json.dumps(log, indent=1) + "\n")
+    print("held-out agreement with the target's arg-max per draft position:",
+          " ".join(f"{a:.3f}" for a in log["eval"]["agreement"]))
+    print(f"wrote {out_dir}, train_log_parallel.json in {log['wall_s']:.0f}s", flush=True)
     return log
 
 

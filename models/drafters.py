@@ -2,6 +2,7 @@
 
     drafter = ZooDrafter(zoo.build("tiny-llama-eagle3"))        # EAGLE-3, NextN or a standalone Llama
     target, drafter = load_pair(target_dir, "eagle", eagle_dir)  # checked against each other
+    drafter = adapt(zoo.build("tiny-llama-peagle3"))             # a parallel head: ParallelZooDrafter
     other = load_drafter(target, "draft", draft_dir)             # another draft for the same target
 
 `Llama` is already a `specpass.speculative.Target` (`__call__`, `forward_with_hidden`,
@@ -21,9 +22,11 @@ from models.checkpoint import CheckpointError, load, read_config
 from models.eagle3 import Eagle3Config, Eagle3Head
 from models.llama import Llama, LlamaConfig
 from models.nextn import NextN, NextNConfig
+from models.peagle import ParallelEagle3Head
 
-HIDDEN_KIND = {Eagle3Head: "eagle3", NextN: "last", Llama: None}
-KINDS = {"eagle": Eagle3Head, "nextn": NextN, "draft": Llama}  # the example's --eagle/--nextn/--draft
+HIDDEN_KIND = {Eagle3Head: "eagle3", ParallelEagle3Head: "eagle3", NextN: "last", Llama: None}
+KINDS = {"eagle": Eagle3Head, "parallel": ParallelEagle3Head, "nextn": NextN,
+         "draft": Llama}  # the example's --eagle/--parallel/--nextn/--draft
 
 
 class ZooDrafter(nn.Module):
@@ -61,6 +64,18 @@ class ZooDrafter(nn.Module):
         return self.model.model.embed_tokens if isinstance(self.model, Llama) else self.model.embed_tokens
 
 
+class ParallelZooDrafter(ZooDrafter):
+    """A parallel-drafting head as a `specpass.speculative.ParallelDrafter`: K drafts per forward."""
+
+    def draft_parallel(self, tokens, positions, hidden, live, k):
+        return self.model.draft_parallel(tokens, positions - self.shift, hidden, live, k)
+
+
+def adapt(model: nn.Module) -> ZooDrafter:
+    """The adapter a zoo draft model needs."""
+    return ParallelZooDrafter(model) if isinstance(model, ParallelEagle3Head) else ZooDrafter(model)
+
+
 def check_pair(target: LlamaConfig, draft: Eagle3Config | NextNConfig | LlamaConfig) -> None:
     """Raise CheckpointError when a draft cannot run against this target (vocabulary, hidden sizes)."""
     name = type(draft).__name__.removesuffix("Config")
@@ -95,5 +110,5 @@ def load_drafter(target: Llama, kind: str, draft_dir: str | Path, device=None,
     """A draft of `kind` for an already loaded target (EAGLE-3 uses the target's embedding)."""
     cls = KINDS[kind]
     check_pair(target.config, read_config(cls, draft_dir)[0])
-    shared = {"embed_tokens.weight": target.model.embed_tokens.weight} if cls is Eagle3Head else None
-    return ZooDrafter(load(cls, draft_dir, device=device, dtype=dtype, shared=shared))
+    shared = {"embed_tokens.weight": target.model.embed_tokens.weight} if issubclass(cls, Eagle3Head) else None
+    return adapt(load(cls, draft_dir, device=device, dtype=dtype, shared=shared))

@@ -24,6 +24,7 @@ from models.checkpoint import checkpoint_tensors, retie, save
 from models.eagle3 import Eagle3Config, Eagle3Head
 from models.llama import Llama, LlamaConfig
 from models.nextn import NextN, NextNConfig
+from models.peagle import ParallelEagle3Config, ParallelEagle3Head
 
 _TINY_MLA = dict(q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
 _TINY_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
@@ -46,6 +47,9 @@ CONFIGS: dict[str, tuple[type[nn.Module], object]] = {
     "tiny-llama-eagle3": (Eagle3Head, Eagle3Config(
         vocab_size=256, draft_vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, rope_theta=10000.0)),
+    "tiny-llama-peagle3": (ParallelEagle3Head, ParallelEagle3Config(
+        vocab_size=256, draft_vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rope_theta=10000.0, mask_token_id=255)),
     "tiny-deepseek-eagle3-mla": (Eagle3Head, Eagle3Config(
         vocab_size=256, draft_vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         attention="mla", rope_theta=10000.0, **_TINY_MLA)),
@@ -69,6 +73,9 @@ CONFIGS: dict[str, tuple[type[nn.Module], object]] = {
     "llama3-8b-eagle3": (Eagle3Head, Eagle3Config(
         vocab_size=128256, draft_vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128)),
+    "llama3-8b-peagle3": (ParallelEagle3Head, ParallelEagle3Config(
+        vocab_size=128256, draft_vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, mask_token_id=128002)),
     "deepseek-v3-eagle3-mla": (Eagle3Head, Eagle3Config(
         vocab_size=129280, draft_vocab_size=32000, hidden_size=7168, intermediate_size=18432, attention="mla",
         **_DSV3_MLA)),
@@ -100,7 +107,8 @@ def build(name_or_config, seed: int = 0, device=None, dtype: torch.dtype | None 
         cls, cfg = CONFIGS[name_or_config][0], config(name_or_config)
     else:
         cfg = name_or_config
-        cls = {LlamaConfig: Llama, Eagle3Config: Eagle3Head, NextNConfig: NextN}[type(cfg)]
+        cls = {LlamaConfig: Llama, Eagle3Config: Eagle3Head, ParallelEagle3Config: ParallelEagle3Head,
+               NextNConfig: NextN}[type(cfg)]
     with torch.device("meta"):
         model = cls(cfg)
     _, aliases = checkpoint_tensors(model)  # tied weights, which to_empty unties
@@ -121,7 +129,9 @@ def init_weights(model: nn.Module, seed: int = 0) -> None:
         t.normal_(mean, std, generator=g)  # in place: no full-size temporaries on the GPU
 
     for name, p in model.named_parameters():
-        if p.dim() == 1:  # every 1-D parameter in the zoo is a norm weight
+        if name == "mask_hidden":  # a stand-in for the target's fused states
+            normal(p, 0.0, 1.0)
+        elif p.dim() == 1:  # every other 1-D parameter in the zoo is a norm weight
             normal(p, 1.0, 0.1)
         elif isinstance(model.get_submodule(name.rpartition(".")[0]), nn.Embedding):
             normal(p, 0.0, 1.0)

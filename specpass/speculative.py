@@ -17,6 +17,10 @@ seen it yet; the drafter has, and holds its guess d_1 for position n+1):
     catch-up  the drafter on y_0..y_K at positions n+1..n+K+1 (with the target's hidden
               states at n..n+K), live row a -> d_1 of the next round
 
+A parallel drafter (`ParallelDrafter`: P-EAGLE, PARD) has no draft steps: its catch-up is one draft
+forward over y_0..y_K and K-1 slots of its own that makes the next round's d_1..d_K at once
+(`parallel_catch_up`); the round is verify -> accept -> that forward.
+
 The four are pure functions of device tensors with static shapes (`draft`, `verify`, `accept`,
 `catch_up`), and `decode_round` composes them. `Decoder` is the driver: it binds the models,
 compiles the steps — one graph each, or the whole round as one graph, from the same functions —
@@ -82,6 +86,17 @@ class Drafter(Protocol):
     # with; `Decoder` then checks up front that it takes every id of the target's vocabulary.
 
 
+class ParallelDrafter(Drafter, Protocol):
+    """A drafter that makes all K drafts in one forward (P-EAGLE, PARD): its round is verify +
+    one draft forward, no draft steps (`parallel_catch_up`)."""
+
+    def draft_parallel(self, tokens: Tensor, positions: Tensor, hidden: Tensor | None, live: Tensor,
+                       k: int) -> Tensor:
+        """[B, T] tokens and contiguous positions, [B, T, Hh] hidden, [B] live row -> logits [B, k, Vd]:
+        row j predicts the token at positions[b, live[b]] + 1 + j. Rows after live[b] are the
+        drafter's own (mask slots, padding); every row's K/V is written."""
+
+
 class State(NamedTuple):
     """Per-request decoding state; every field lives on the device, shapes never change."""
 
@@ -137,6 +152,30 @@ def draft(drafter: Drafter, k: int, sampled: bool, d1: Tensor, q1: Proposal | No
     if q1 is None:
         return torch.stack(drafts, 1), None
     return torch.stack(drafts, 1), Proposal(*(torch.stack(parts, 1) for parts in zip(*proposals)))
+
+
+def propose_rows(drafter: Drafter, sampled: bool, logits: Tensor, params: Params | None,
+                 pos: Tensor) -> tuple[Tensor, Proposal | None]:
+    """`propose` on K drafts per request: logits [B, K, Vd] at positions pos [B, K] -> (target ids
+    [B, K], proposals [B, K, Vd], [B, K] or None). Each draft is drawn from its own distribution."""
+    B, K = pos.shape
+    rows = None if params is None else Params(*(None if t is None else t.repeat_interleave(K) for t in params))
+    ids, q = propose(drafter, sampled, logits.flatten(0, 1), rows, pos.flatten())
+    return ids.view(B, K), None if q is None else Proposal(q.probs.view(B, K, -1), q.at.view(B, K))
+
+
+def draft_parallel(drafter: ParallelDrafter, k: int, sampled: bool, tokens: Tensor, positions: Tensor,
+                   hidden: Tensor | None, live: Tensor, params: Params | None) -> tuple[Tensor, Proposal | None]:
+    """One draft forward on [B, T] rows, live row live [B] -> d_1..d_K [B, K] and their proposals."""
+    logits = drafter.draft_parallel(tokens, positions, hidden, live, k)  # [B, K, Vd]
+    at = positions.gather(1, live[:, None]) + 1 + torch.arange(k, device=live.device)  # [B, K] the drafts' positions
+    return propose_rows(drafter, sampled, logits, params, at)
+
+
+def carried(d: Tensor, q: Proposal | None, pos: Tensor, h: Tensor | None,
+            params: Params | None) -> tuple[Tensor, Proposal | None]:
+    """A parallel drafter's draft step: the previous round's draft forward already made d_1..d_K."""
+    return d, q
 
 
 def verify(target: Target, hidden_kind: str | None, to_target: Callable[[Tensor], Tensor] | None, last: Tensor,
@@ -260,6 +299,14 @@ def catch_up(drafter: Drafter, sampled: bool, y: Tensor, pos: Tensor, hidden: Te
     return d1, q1, h
 
 
+def parallel_catch_up(drafter: ParallelDrafter, k: int, sampled: bool, y: Tensor, pos: Tensor,
+                      hidden: Tensor | None, a: Tensor, params: Params | None) -> tuple[Tensor, Proposal | None, None]:
+    """A parallel drafter's catch-up is the round's one draft forward: y_0..y_K at positions
+    n+1..n+K+1 with live row a, then K-1 mask slots -> (the next d_1..d_K [B, K], proposals, None)."""
+    positions = pos[:, None] + 1 + torch.arange(y.shape[1], device=y.device)  # [B, K+1]
+    return *draft_parallel(drafter, k, sampled, y, positions, hidden, a, params), None
+
+
 class Steps(NamedTuple):
     """A round's steps with their models bound: the functions above, or their compiled forms.
     `params` (the last argument of draft, verify and catch-up) is None for greedy decoding."""
@@ -271,7 +318,8 @@ class Steps(NamedTuple):
 
 
 class Carry(NamedTuple):
-    """What the catch-up hands the next round: d_1, its proposal, the drafter's hidden state."""
+    """What the catch-up hands the next round: d_1, its proposal, the drafter's hidden state (a
+    parallel drafter: d_1..d_K [B, K], their proposals, None)."""
 
     d1: Tensor | None
     q1: Proposal | None
@@ -322,8 +370,12 @@ def prefill(target: Target, drafter: Drafter | None, k: int, sampled: bool, prom
         # A drafter that reads target states starts at position 1: row t pairs the token at t+1
         # with the target's state at t. A standalone one reads the prompt from position 0.
         o = 0 if kind is None else 1
-        logits, h = drafter.catch_up(tokens[:, o:], positions[:, o:], hidden, lengths - o)
-        carry = Carry(*propose(drafter, sampled, logits, params, lengths + 1), h)
+        if hasattr(drafter, "draft_parallel"):
+            carry = Carry(*draft_parallel(drafter, k, sampled, tokens[:, o:], positions[:, o:], hidden, lengths - o,
+                                          params), None)
+        else:
+            logits, h = drafter.catch_up(tokens[:, o:], positions[:, o:], hidden, lengths - o)
+            carry = Carry(*propose(drafter, sampled, logits, params, lengths + 1), h)
 
     limit = torch.tensor(limits + [0] * idle, device=dev)
     eos_t = torch.tensor(eos + [-1] * idle, device=dev)
@@ -420,11 +472,14 @@ class Decoder:
             verify=functools.partial(verify, target, kind, drafter.to_target if drafter is not None else None),
             accept=accept,
             catch_up=functools.partial(catch_up, drafter, sampled) if drafter is not None else None)
+        if hasattr(drafter, "draft_parallel"):  # verify + one draft forward per round
+            self.steps = self.steps._replace(draft=carried,
+                                             catch_up=functools.partial(parallel_catch_up, drafter, self.k, sampled))
         wrap = _compiler(compile, mode)
         if fused_round:
             self._round = wrap(functools.partial(decode_round, self.steps))
-        else:
-            self._steps = Steps(*(None if s is None else wrap(s) for s in self.steps))
+        else:  # `carried` moves nothing: no graph
+            self._steps = Steps(*(s if s is None or s is carried else wrap(s) for s in self.steps))
             self._round = functools.partial(decode_round, self._steps)
 
     @torch.no_grad()

@@ -101,18 +101,25 @@ def two_rows_per_request(m, x, pos, live):
     return m.logits(x, pos)[torch.arange(x.shape[0])[:, None], rows]
 
 
+def window_per_request(m, x, pos, live):
+    rows = live.clamp(max=x.shape[1] - 2)[:, None] + torch.arange(2)  # [B, 2]: K = 2 rows from a runtime start
+    return m.logits(x, pos)[torch.arange(x.shape[0])[:, None], rows]  # a parallel drafter's K drafts
+
+
 def negative_live(m, x, pos, live):
     return m.logits(x, pos)[torch.arange(x.shape[0]), live - x.shape[1]]
 
 
 FORMS = [last, per_request, flat_static, flat_runtime, last_two, narrow_last, gather_live, greedy_last,
-         first_request, last_of_last_two, vocab_prefix, every_other, centered, two_rows_per_request, negative_live]
+         first_request, last_of_last_two, vocab_prefix, every_other, centered, two_rows_per_request, window_per_request,
+         negative_live]
 
 
 @pytest.mark.parametrize("form, rows", [(last, (12, 3)), (per_request, (12, 3)), (flat_static, (12, 3)),
                                         (flat_runtime, (12, 3)), (last_two, (12, 6)), (gather_live, (12, 3)),
                                         (first_request, (3, 1)), (last_of_last_two, (6, 3)), (vocab_prefix, (12, 3)),
                                         (every_other, (12, 6)), (centered, (12, 3)), (two_rows_per_request, (12, 6)),
+                                        (window_per_request, (12, 6)),
                                         (negative_live, (12, 3))], ids=lambda f: getattr(f, "__name__", ""))
 def test_each_form_fires(form, rows):
     _, result = _rewrite(form, Draft(), *_inputs())
@@ -243,6 +250,43 @@ rms_norm: f32[3, 1, 8] = rms_norm(add, [8])
 linear_3: f32[3, 1, 16] = linear(rms_norm, model_head)
 select: f32[3, 16] = reshape(linear_3, [3, 16])
 return (select,)""")
+
+    def test_window_of_rows_per_request(self):
+        # P-EAGLE's draft forward keeps K rows per request from a runtime start: the Q-slice takes them.
+        _, result = _rewrite(window_per_request, Draft(), *_inputs())
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+a_2: i64[3]
+a_0: f32[3, 4, 8]
+model_cache: f32[3, 6, 8]
+model_wk: f32[8, 8]
+a_1: i64[4]
+model_wq: f32[8, 8]
+model_wo: f32[8, 8]
+model_head: f32[16, 8]
+arange_start_step: i64[3] = arange.start_step(0, 3, 1, dtype=i64, device=cpu)
+unsqueeze_default: i64[3, 1] = unsqueeze(arange_start_step, 1)
+arange: i64[2] = arange(2, device=cpu, pin_memory=False)
+clamp: i64[3] = clamp(a_2, None, 2)
+unsqueeze: i64[3, 1] = unsqueeze(clamp, 1)
+add: i64[3, 2] = add.Tensor(unsqueeze, arange)
+linear: f32[3, 4, 8] = linear(a_0, model_wk)
+index_copy_: f32[3, 6, 8] = index_copy_(model_cache, 1, a_1, linear)
+a_0_rows: f32[3, 2, 8] = index.Tensor(a_0, [unsqueeze_default, add])
+linear_1: f32[3, 2, 8] = linear(a_0_rows, model_wq)
+arange_1: i64[6] = arange(6, device=cpu, pin_memory=False)
+unsqueeze_1: i64[4, 1] = unsqueeze(a_1, 1)
+le: b8[4, 6] = le.Tensor(arange_1, unsqueeze_1)
+expand_default: b8[3, 4, 6] = expand(le, [3, 4, 6])
+le_rows: b8[3, 2, 6] = index.Tensor(expand_default, [unsqueeze_default, add])
+scaled_dot_product_attention: f32[3, 2, 8] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le_rows)
+linear_2: f32[3, 2, 8] = linear(scaled_dot_product_attention, model_wo)
+add_1: f32[3, 2, 8] = add.Tensor(a_0_rows, linear_2)
+rms_norm: f32[3, 2, 8] = rms_norm(add_1, [8])
+linear_3: f32[3, 2, 16] = linear(rms_norm, model_head)
+return (linear_3,)""")
+        self.assertExpectedInline(str(result.report), """\
+specpass: 1 rewrite(s), 0 left alone; graph matmul FLOPs 9.98K -> 5.76K, 1.73x fewer
+  [live_rows] rewrote index: 6 ops run on the selected rows only; gathered after a_0 (a graph input); le (needed in full by scaled_dot_product_attention) (rows 12 -> 6; matmul FLOPs 8.45K -> 4.22K)""")
 
     def test_per_request_rows_shared_by_two_outputs(self):
         _, result = _rewrite(per_request, Draft(), *_inputs())

@@ -1,6 +1,7 @@
 """The trained checkpoints shipped in checkpoints/: transformers reads the target as we do, the
 pair is lossless on held-out prompts, and the drafts are accepted as often as the docs say."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from transformers import LlamaForCausalLM
 from models.checkpoint import load
 from models.drafters import load_drafter
 from models.llama import Llama
-from models.text import encode, load_prompts
+from models.text import BOS, encode, load_prompts
 from specpass.speculative import Decoder
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -30,7 +31,7 @@ def prompts():
 
 def test_shipped_files_fit_the_budget():
     files = [f for f in CHECKPOINTS.rglob("*") if f.is_file()]
-    assert sum(f.stat().st_size for f in files) <= 50e6
+    assert sum(f.stat().st_size for f in files) <= 52e6  # 50e6 before the parallel head (4.7 MB)
     assert all(f.stat().st_size < 16 * 2**20 for f in files)
 
 
@@ -44,7 +45,8 @@ def test_transformers_loads_the_target_and_decodes_the_same_tokens(target, promp
 
 
 @pytest.mark.parametrize("kind, folder, min_accept", [("eagle", "stdlib-llama-eagle3", 2.5),
-                                                       ("draft", "stdlib-llama-draft", 1.5)])
+                                                       ("draft", "stdlib-llama-draft", 1.5),
+                                                       ("parallel", "stdlib-llama-peagle3", 2.3)])
 def test_shipped_drafters_are_lossless_and_accepted(target, prompts, kind, folder, min_accept):
     k = 4
     shape = dict(max_batch=len(prompts), max_len=max(map(len, prompts)) + NEW + 2 * k + 1, compile="eager")
@@ -52,3 +54,9 @@ def test_shipped_drafters_are_lossless_and_accepted(target, prompts, kind, folde
     out = Decoder(target, load_drafter(target, kind, CHECKPOINTS / folder), k=k, **shape).generate(prompts, NEW)
     assert out.tokens == plain.tokens
     assert out.metrics.accept_length >= min_accept, out.metrics
+
+
+def test_parallel_head_config_carries_the_names_vllm_reads():
+    config = json.loads((CHECKPOINTS / "stdlib-llama-peagle3" / "config.json").read_text())
+    assert config["parallel_drafting"] is True and config["mask_token_id"] == BOS
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
