@@ -53,19 +53,19 @@ class Params(NamedTuple):
         """One value for every one of `batch` requests or one per request, padded to `rows` with
         idle rows (greedy); None when every request is greedy (temperature 0). An int seed gives
         each request its own stream (seed, request index); None draws one from torch's generator."""
-        temperature = _per_request(temperature, batch, "temperature", float, lambda t: t >= 0 and t < float("inf"),
+        temperature = per_request(temperature, batch, "temperature", float, lambda t: t >= 0 and t < float("inf"),
                                    ">= 0 and finite (0: greedy)")
-        top_k = None if top_k is None else _per_request(top_k, batch, "top_k", int, lambda k: k >= 0, ">= 0 (0: off)")
-        top_p = None if top_p is None else _per_request(top_p, batch, "top_p", float, lambda p: 0 < p <= 1,
+        top_k = None if top_k is None else per_request(top_k, batch, "top_k", int, lambda k: k >= 0, ">= 0 (0: off)")
+        top_p = None if top_p is None else per_request(top_p, batch, "top_p", float, lambda p: 0 < p <= 1,
                                                         "in (0, 1] (1: off)")
         if not any(t > 0 for t in temperature):
             return None
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()))
         if isinstance(seed, Sequence):
-            seeds = _per_request(seed, batch, "seed", int, lambda s: s >= 0, ">= 0")
+            seeds = per_request(seed, batch, "seed", int, lambda s: s >= 0, ">= 0")
         else:
-            (base,) = _per_request(seed, 1, "seed", int, lambda s: s >= 0, ">= 0")
+            (base,) = per_request(seed, 1, "seed", int, lambda s: s >= 0, ">= 0")
             seeds = [base * 0x100000 + b for b in range(batch)]  # request b's own stream
         top_k, top_p = top_k or [0] * batch, top_p or [1.0] * batch
         on = any(t > 0 and (k > 0 or p < 1) for t, k, p in zip(temperature, top_k, top_p))  # the graph sorts
@@ -77,18 +77,20 @@ class Params(NamedTuple):
             top_p=torch.tensor(top_p + [1.0] * idle, dtype=torch.float32, device=device) if on else None)
 
 
-
-def _per_request(value, n: int, name: str, kind: type, ok, rule: str) -> list:
-    per_request = isinstance(value, Sequence) and not isinstance(value, (str, bytes))
-    values = list(value) if per_request else [value] * n
+def per_request(value, n: int, name: str, kind: type, ok, rule: str) -> list:
+    """One value of `kind` for every one of n requests, or one per request, each `ok` (`rule` says
+    how, in the error) -> n values."""
+    each = isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+    values = list(value) if each else [value] * n
     if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} values for {n} prompts: pass one per prompt, or one value for all")
+        raise ValueError(f"{name} has {len(values)} values for {n} prompts: pass one per prompt, or one "
+                         f"{'int' if kind is int else 'value'} for all")
     checked = []
     for i, v in enumerate(values):
         good_type = isinstance(v, numbers.Real) and not isinstance(v, bool) and (
             kind is float or isinstance(v, numbers.Integral))
         if not good_type or not ok(v):
-            where = f"[{i}]" if per_request else ""
+            where = f"[{i}]" if each else ""
             raise ValueError(f"{name}{where} must be {'an int' if kind is int else 'a number'} {rule}, got {v!r}")
         checked.append(kind(v))
     return checked

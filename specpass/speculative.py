@@ -46,7 +46,8 @@ import torch
 from torch import Tensor
 
 import specpass
-from specpass.sampling import ACCEPT, DRAFT, TARGET, Params, accepts, draw, floor_of, key, logprobs, residual, uniform
+from specpass.sampling import (ACCEPT, DRAFT, TARGET, Params, accepts, draw, floor_of, key, logprobs, per_request,
+                               residual, uniform)
 
 
 class Target(Protocol):
@@ -499,8 +500,8 @@ class Decoder:
         (the host clock on CPU) after each step, read once at the end, so no sync is added.
         """
         B = len(prompts)
-        limits = _per_request(max_new_tokens, B, "max_new_tokens", low=1)
-        eos = _per_request(-1 if eos_id is None else eos_id, B, "eos_id", low=-1)  # -1: none
+        limits = per_request(max_new_tokens, B, "max_new_tokens", int, lambda v: v >= 1, ">= 1")
+        eos = per_request(-1 if eos_id is None else eos_id, B, "eos_id", int, lambda v: v >= -1, ">= -1")  # -1: none
         params = Params.make(B, self.max_batch, self.device, temperature, top_k, top_p, seed)  # None: greedy
         prompts = self._check(prompts, limits)
         start = self._clock()
@@ -612,18 +613,6 @@ def _compiler(compile: str | Callable, mode: str | None) -> Callable[[Callable],
         return lambda fn: fn
     backend = specpass if compile == "specpass" else compile  # the module is a backend; "inductor"; a callable
     return lambda fn: torch.compile(fn, backend=backend, mode=mode, fullgraph=True, dynamic=False)
-
-
-def _per_request(value: int | Sequence[int], n: int, name: str, low: int) -> list[int]:
-    """One int >= low for every request, or one per request."""
-    per_request = isinstance(value, Sequence)
-    values = list(value) if per_request else [value] * n
-    if len(values) != n:
-        raise ValueError(f"{name} has {len(values)} values for {n} prompts: pass one per prompt, or one int for all")
-    for i, v in enumerate(values):
-        if not _is_int(v) or v < low:
-            raise ValueError(f"{name}{f'[{i}]' if per_request else ''} must be an int >= {low}, got {v!r}")
-    return [int(v) for v in values]
 
 
 def _is_int(value: Any) -> bool:
