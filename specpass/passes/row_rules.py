@@ -272,6 +272,8 @@ def _plan_through(decomposition: Callable, node: fx.Node, spec: Rows, options: O
     a value that some op needs in full (`Keep`) must not depend on a gathered input.
     """
     name = op_name(node.target)
+    if not _tensor_args(node):  # arange, full, ...: nothing to trace the rows through
+        raise Stop(f"{name} makes its rows from no tensor (a factory op): there is no operand to gather")
     try:
         sub = _trace(decomposition, node)
     except Exception as exc:  # a decomposition that does not trace on these values says nothing
