@@ -59,23 +59,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """SDPA over the whole cache. q `[B, Tq, hq, d]`, k `[B, S, hk, d]`, v `[B, S, hk, dv]`,
     mask `[B, 1, Tq, S]` -> `[B, Tq, hq, dv]`. Fewer K/V heads than query heads is GQA/MQA.
 
-    GQA is folded into the query axis, as the MLA layer folds its heads: the g = hq / hk query heads
-    of a K/V head become g rows per token, `[B, hk, Tq * g, d]` (token-major, so a row gather on Tq
-    still maps to whole blocks of rows). Each K/V head is then read once; with an explicit mask,
-    `enable_gqa` falls back to kernels that read (or copy) K/V once per query head.
     Never `is_causal=True`: its mask is top-left aligned, wrong once the cache holds a prefix.
     """
-    B, T, hq, d = q.shape
-    S, hk, dv = v.shape[1], v.shape[2], v.shape[3]
-    g = hq // hk
-    if g == 1:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, scale=scale)
-        return out.transpose(1, 2)
-    q = q.view(B, T, hk, g, d).transpose(1, 2).reshape(B, hk, T * g, d)  # [B, hk, T*g, d]
-    mask = mask[:, :, :, None, :].expand(B, 1, T, g, S).reshape(B, 1, T * g, S)
-    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-    return out.view(B, hk, T, g, dv).transpose(1, 2).reshape(B, T, hq, dv)  # [B, hk, T*g, dv] -> [B, T, hq, dv]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=k.shape[2] != q.shape[2],
+    )
+    return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
