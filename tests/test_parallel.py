@@ -15,6 +15,7 @@ from models.drafters import ParallelZooDrafter, ZooDrafter, adapt
 from models.peagle import ParallelEagle3Config
 from specpass.speculative import Decoder, Proposal
 from tests import test_sampling
+from tests.test_speculative import CountingBackend
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
 NEW = 24
@@ -95,18 +96,6 @@ def test_lossless(target, kind, k):
     assert all(a >= b for a, b in zip(m.acceptance, m.acceptance[1:]))
     if kind == "noisy" and k > 1:  # partial acceptance, different per request: every path ran
         assert 1 < m.accept_length < k + 1
-
-
-class CountingBackend:
-    """specpass without Inductor (fast on CPU), counting the graphs it compiles."""
-
-    def __init__(self):
-        self.graphs = 0
-        self.inner = specpass.backend(handoff="eager")
-
-    def __call__(self, gm, example_inputs, **kwargs):
-        self.graphs += 1
-        return self.inner(gm, example_inputs, **kwargs)
 
 
 def test_compiled_apart_and_fused_match_eager(target):
