@@ -152,7 +152,7 @@ def floor_of(logits: Tensor, params: Params) -> Tensor | None:
     rows = logits.shape[:-1]
 
     def each_row(t: Tensor) -> Tensor:
-        return t.reshape(t.shape + (1,) * (len(rows) - 1)).expand(rows).reshape(-1)
+        return _per_row(t, logits)[..., 0].expand(rows).reshape(-1)
 
     flat = logits.reshape(-1, logits.shape[-1])
     return torch.ops.specpass.floor(flat, *map(each_row, (params.temperature, params.top_k, params.top_p))).view(rows)
