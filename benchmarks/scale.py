@@ -9,6 +9,7 @@ projected speedup uses the shipped pair's measured acceptance per draft position
     python benchmarks/scale.py --points 64x64 --variants specpass --k-sweep 2,6 --out a.json
     python benchmarks/scale.py --plot docs/scale.json              # docs/scale.png and the tables (CPU)
     python benchmarks/scale.py --quick --device cpu                # a smoke test: tiny models
+    python benchmarks/scale.py --drafter parallel --variants specpass  # the P-EAGLE head (issue 25)
 
 Per point (batch size x prompt length), each variant is built, compiled, timed and dropped in turn
 (they share the weights; each sets up its own caches):
@@ -47,10 +48,12 @@ sys.path.insert(0, str(ROOT))
 import specpass  # noqa: E402
 from models import layers, zoo  # noqa: E402
 from models.layers import attend  # noqa: E402
-from models.drafters import ZooDrafter  # noqa: E402
+from models.drafters import adapt  # noqa: E402
 from specpass.speculative import Decoder, choose_k, expected_accept_length  # noqa: E402
 
-SHIPPED = ROOT / "docs" / "e2e.json"
+SHIPPED = {"eagle3": (ROOT / "docs" / "e2e.json", "eagle3/specpass-fused"),  # --drafter -> its e2e run
+           "parallel": (ROOT / "docs" / "e2e_parallel.json", "parallel/specpass-fused")}
+HEADS = {"eagle3": "eagle3", "parallel": "peagle3"}  # --drafter -> the zoo's head, llama3-8b-<this>
 
 
 def point(text: str) -> tuple[int, int]:
@@ -58,10 +61,11 @@ def point(text: str) -> tuple[int, int]:
     return int(bs), int(prompt)
 
 
-def shipped_acceptance() -> list[float]:
+def shipped_acceptance(drafter: str = "eagle3") -> list[float]:
     """Acceptance per draft position of the shipped pair (bf16, fused specpass, H100): the run with the
     most positions; beyond it, each position keeps the last measured conditional rate."""
-    rows = [r for r in json.loads(SHIPPED.read_text()) if r["variant"] == "eagle3/specpass-fused"
+    path, variant = SHIPPED[drafter]
+    rows = [r for r in json.loads(path.read_text()) if r["variant"] == variant
             and r["dtype"] == "bfloat16" and r["acceptance"]]
     best = max(rows, key=lambda r: (len(r["acceptance"]), r["bs"]))
     acc = list(best["acceptance"])
@@ -132,7 +136,12 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict) -> dict[str,
                   *(attention_cost(a, bs, rows_per_request, context, item) for a in t_attn))
 
     out = dict(decode=target_step(1))
-    if k:
+    if k and hasattr(head, "draft_parallel"):  # one draft forward: 2K rows write K/V, K live rows go on
+        out.update(draft=0.0, verify=target_step(k + 1), accept=0.0,
+                   catch_up=ms(linear_cost(h_rows_all, bs * 2 * k), linear_cost(h_live, bs * k),
+                               attention_cost(h_attn, bs, k, context, item)))
+        out["round"] = out["verify"] + out["catch_up"]
+    elif k:
         out.update(
             draft=(k - 1) * ms(linear_cost(h_all, bs), attention_cost(h_attn, bs, 1, context, item)),
             verify=target_step(k + 1),
@@ -150,7 +159,8 @@ class Bench:
     def __init__(self, args):
         self.args, self.device = args, torch.device(args.device)
         dtype = torch.float32 if args.quick else torch.bfloat16
-        names = ("tiny-llama", "tiny-llama-eagle3") if args.quick else ("llama3-8b", "llama3-8b-eagle3")
+        base = "tiny-llama" if args.quick else "llama3-8b"
+        names = (base, f"{base}-{HEADS[args.drafter]}")
         self.target = zoo.build(names[0], device=self.device, dtype=dtype)
         self.head = zoo.build(names[1], device=self.device, dtype=dtype)
         self.head.embed_tokens = self.target.model.embed_tokens  # EAGLE-3 uses the target's, by reference
@@ -163,7 +173,7 @@ class Bench:
         return torch.randint(0, self.target.config.vocab_size, (bs, length), generator=g).tolist()
 
     def decoder(self, bs: int, max_len: int, k: int, compile: str, fused: bool) -> Decoder:
-        drafter = ZooDrafter(self.head) if k else None
+        drafter = adapt(self.head) if k else None
         if self.args.quick:  # the rewritten graphs run eagerly: Inductor's C++ builds would take minutes
             compile = specpass.backend(handoff="eager") if compile == "specpass" else "eager"
         return Decoder(self.target, drafter, k=max(k, 1), max_batch=bs, max_len=max_len, compile=compile,
@@ -302,8 +312,8 @@ def sweep(args, save) -> dict:
     bench = Bench(args)
     dev = bench.device
     env = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
-               dtype=str(next(bench.target.parameters()).dtype).removeprefix("torch."))
-    result = dict(env=env, ceilings=ceilings(dev), acceptance=shipped_acceptance(), rows=[], attention=[],
+               dtype=str(next(bench.target.parameters()).dtype).removeprefix("torch."), drafter=args.drafter)
+    result = dict(env=env, ceilings=ceilings(dev), acceptance=shipped_acceptance(args.drafter), rows=[], attention=[],
                   profiles={})
     print(f"# {env}; ceilings {result['ceilings']}", file=sys.stderr, flush=True)
     short, long = args.new_tokens
@@ -470,6 +480,8 @@ def main() -> None:
     points = lambda s: [point(p) for p in s.split(",") if p]  # noqa: E731
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--points", default="1x64,16x64,64x64,16x4096", type=points, help="BSxPROMPT,...")
+    parser.add_argument("--drafter", default="eagle3", choices=sorted(HEADS),
+                        help="eagle3: the chain head; parallel: the P-EAGLE head, one draft forward a round")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--k-sweep", default="", type=lambda s: [int(x) for x in s.split(",") if x])
     parser.add_argument("--k-sweep-at", default="", type=points)
