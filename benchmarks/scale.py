@@ -16,12 +16,16 @@ Per point (batch size x prompt length), each variant is built, compiled, timed a
   decode         the target alone (K = 0), one fused graph per step: the baseline
   specpass       the fused round (one graph per round), specpass backend
   inductor       the fused round, plain Inductor (at --inductor-at points)
-  specpass-gqa   the fused round with the zoo's attention before issue 24: SDPA's enable_gqa with the
-                 explicit mask (at --gqa-at points)
+  specpass-gqa   the fused round with SDPA's own GQA (enable_gqa with the explicit mask) at every query
+                 count, instead of `attend`'s fold of several tokens' query heads (at --gqa-at points)
   apart          specpass, steps compiled apart, CUDA events after each step: the phase split
                  (draft / verify / accept / catch-up) (at --apart-at points)
+At --tune-at points the loop picks K itself (`Decoder.tune_k` at --tune-ks, the shipped acceptance),
+and the chosen K's tokens/s is set against the best K timed.
 ms per round = (loop time of a long generate - loop time of a short one) / (rounds difference):
-prefill, the first round's warm-up and the one round run after the last cancel out.
+prefill, the first round's warm-up and the one round run after the last cancel out. At --direct-at
+points (64 x 4K: the prefill's logits alone would take 67 GB) the rounds run from a one-token
+prefill with every request moved to the prompt's position, timed over the same rounds.
 
 Floors: each phase's weight and KV-cache bytes over the copy bandwidth measured in the same run,
 and its matmul and attention FLOPs over the bf16 matmul rate measured in the same run; a phase's
@@ -49,11 +53,12 @@ import specpass  # noqa: E402
 from models import layers, zoo  # noqa: E402
 from models.layers import attend  # noqa: E402
 from models.drafters import adapt  # noqa: E402
-from specpass.speculative import Decoder, choose_k, expected_accept_length  # noqa: E402
+from specpass.speculative import Decoder, _clone, expected_accept_length, prefill  # noqa: E402
 
 SHIPPED = {"eagle3": (ROOT / "docs" / "e2e.json", "eagle3/specpass-fused"),  # --drafter -> its e2e run
            "parallel": (ROOT / "docs" / "e2e_parallel.json", "parallel/specpass-fused")}
 HEADS = {"eagle3": "eagle3", "parallel": "peagle3"}  # --drafter -> the zoo's head, llama3-8b-<this>
+START = time.perf_counter()
 
 
 def point(text: str) -> tuple[int, int]:
@@ -127,9 +132,9 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict) -> dict[str,
     h_rows_all = [head.fc, h_attn.k_proj, h_attn.v_proj]  # catch-up: K/V of every row, the rest on the live row
     h_live = [m for m in h_all if m not in h_rows_all]
 
-    def ms(*costs):
+    def ms(*costs, flops_only=False):
         nbytes, flops = map(sum, zip(*costs))
-        return 1e3 * max(nbytes / ceil["bandwidth"], flops / ceil["flops"])
+        return 1e3 * max(0.0 if flops_only else nbytes / ceil["bandwidth"], flops / ceil["flops"])
 
     def target_step(rows_per_request):
         return ms(linear_cost(t_lin, bs * rows_per_request),
@@ -147,7 +152,12 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict) -> dict[str,
             verify=target_step(k + 1),
             accept=0.0,
             catch_up=ms(linear_cost(h_rows_all, bs * (k + 1)), linear_cost(h_live, bs),
-                        attention_cost(h_attn, bs, 1, context, item)))
+                        attention_cost(h_attn, bs, 1, context, item)),
+            # the live-row rewrite's ceiling: the catch-up's FLOP time on every row less on its live rows
+            # (it removes no bytes: weights and K/V are read once either way)
+            live_rows_saved=ms(linear_cost(h_live, bs * (k + 1)), attention_cost(h_attn, bs, k + 1, context, item),
+                               flops_only=True)
+            - ms(linear_cost(h_live, bs), attention_cost(h_attn, bs, 1, context, item), flops_only=True))
         out["round"] = out["draft"] + out["verify"] + out["catch_up"]
     return out
 
@@ -188,6 +198,33 @@ class Bench:
             samples.append(((b.seconds - b.prefill_seconds) - (a.seconds - a.prefill_seconds)) / (b.rounds - a.rounds))
         return 1e3 * statistics.median(samples), dict(prefill_ms=1e3 * a.prefill_seconds)
 
+    def round_ms_direct(self, dec: Decoder, prompts, short: int, long: int) -> tuple[float, dict]:
+        """ms per round without the prefill, whose logits do not fit at 64 x 4K (67 GB): a one-token
+        prefill, every request moved to the prompt's position (the slots below hold zeros: a round's
+        time does not depend on them, its shapes are static), then rounds replayed as `generate` runs
+        them; the loop's clock over `long - short` rounds after `short`, median of repeats."""
+        bs, prompt = len(prompts), len(prompts[0])
+        state, carry = prefill(dec.target, dec.drafter, dec.k, False, [p[:1] for p in prompts], [long] * bs,
+                               [-1] * bs, None, bs, dec.max_len)  # after `long` tokens a request runs frozen
+        state = state._replace(pos=state.pos + prompt - 1)
+
+        def rounds(n):
+            nonlocal state, carry
+            for _ in range(n):
+                if dec.cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                state, carry, _ = dec._round(state, carry, None)
+                if dec.cudagraphs:
+                    state, carry = _clone(state), _clone(carry)
+
+        rounds(short)  # compiles, records the CUDA graphs
+        samples = []
+        for _ in range(self.args.repeats):
+            start = dec._clock()
+            rounds(long - short)
+            samples.append((dec._clock() - start) / (long - short))
+        return 1e3 * statistics.median(samples), dict(prefill_ms=0.0)
+
     def release(self):
         torch._dynamo.reset()  # frees the compiled graphs and their CUDA-graph pools
         gc.collect()
@@ -196,7 +233,7 @@ class Bench:
 
 
 def attend_gqa(q, k, v, mask, scale):
-    """The zoo's attention before issue 24 (models.layers.attend then): SDPA's own GQA."""
+    """SDPA's own GQA at every query count (models.layers.attend folds several tokens' query heads)."""
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
         enable_gqa=k.shape[2] != q.shape[2])
@@ -319,8 +356,8 @@ def sweep(args, save) -> dict:
     short, long = args.new_tokens
     k_max = max([args.k, *args.k_sweep])
     if dev.type == "cuda":
-        for bs, prompt in args.attention_at:
-            result["attention"].append(attention_bench(bs, args.k + 1, prompt + long + 2 * k_max + 1, dev))
+        for (bs, prompt), queries in ((at, q) for at in args.attention_at for q in (1, args.k + 1)):
+            result["attention"].append(attention_bench(bs, queries, prompt + long + 2 * k_max + 1, dev))
             print(f"  attention {result['attention'][-1]}", file=sys.stderr, flush=True)
             save(result)
     for bs, prompt in args.points:
@@ -336,13 +373,16 @@ def sweep(args, save) -> dict:
             runs.append(("specpass-gqa", args.k, "specpass", True))
         if (bs, prompt) in args.apart_at:
             runs.append(("apart", args.k, "specpass", False))
+        if (bs, prompt) in args.tune_at:  # the tuning times specpass at its K
+            runs = [r for r in runs if r[0] != "specpass"]
         for variant, k, compile, fused in runs:
-            if variant not in args.variants:
+            if variant not in args.variants or out_of_time(args, result, f"{bs}x{prompt} {variant} K {k}"):
                 continue
             start = time.perf_counter()
             layers.attend = attend_gqa if variant == "specpass-gqa" else attend
             dec = bench.decoder(bs, max_len, k, compile, fused)
-            ms, extra = bench.round_ms(dec, prompts, short, long)
+            timer = bench.round_ms_direct if (bs, prompt) in args.direct_at else bench.round_ms
+            ms, extra = timer(dec, prompts, short, long)
             layers.attend = attend
             row = dict(env, variant=variant, bs=bs, prompt=prompt, max_len=max_len, k=k, round_ms=ms, **extra,
                        floor_ms=floors(bench.target, bench.head, bs, k, context, result["ceilings"]),
@@ -357,7 +397,49 @@ def sweep(args, save) -> dict:
                   file=sys.stderr, flush=True)
             del dec
             bench.release()
+        if (bs, prompt) in args.tune_at and not out_of_time(args, result, f"{bs}x{prompt} tune_k"):
+            tune_point(bench, args, bs, prompt, result, save)
     return result
+
+
+def out_of_time(args, result: dict, what: str) -> bool:
+    """True (and `what` recorded as skipped) once the run is past --stop-after seconds: a command's
+    time on the device is capped, and a variant started late would be cut off with nothing saved."""
+    late = time.perf_counter() - START > args.stop_after
+    if late:
+        result.setdefault("skipped", []).append(what)
+    return late
+
+
+def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save) -> None:
+    """The loop picks K: `Decoder.tune_k` times the fused specpass round at --tune-ks and prices
+    K = 1..8 at the shipped pair's acceptance; a chosen K it did not time is then timed the same way,
+    so the chosen K's tokens/s can be set against the best timed K's."""
+    short, long = args.new_tokens
+    acceptance = result["acceptance"]
+    max_len = prompt + long + 2 * len(acceptance) + 1
+    prompts = bench.prompts(bs, prompt)
+    context = prompt + long // 2
+    start = time.perf_counter()
+    dec = bench.decoder(bs, max_len, args.k, "specpass", True)
+    choice = dec.tune_k(prompts, args.tune_ks, acceptance=acceptance, new_tokens=args.new_tokens,
+                        repeats=args.repeats)
+    measured = dict(choice.round_ms)
+    if choice.k not in measured and not out_of_time(args, result, f"{bs}x{prompt} chosen K {choice.k}"):
+        measured[choice.k], _ = bench.round_ms(dec, prompts, short, long)
+    seconds = time.perf_counter() - start
+    for k, ms in sorted(measured.items()):
+        result["rows"].append(dict(result["env"], variant="specpass", bs=bs, prompt=prompt, max_len=max_len, k=k,
+                                   round_ms=ms, floor_ms=floors(bench.target, bench.head, bs, k, context,
+                                                                result["ceilings"]),
+                                   seconds=seconds / len(measured)))
+    result.setdefault("tuned", []).append(dict(bs=bs, prompt=prompt, timed=sorted(choice.round_ms), chosen=choice.k,
+                                               tokens_per_ms=choice.tokens_per_ms))
+    save(result)
+    print(f"  bs {bs} prompt {prompt} tune_k: K {choice.k} of {sorted(choice.tokens_per_ms)}, timed "
+          f"{ {k: round(v, 3) for k, v in measured.items()} } ({seconds:.0f} s)", file=sys.stderr, flush=True)
+    del dec
+    bench.release()
 
 
 # --- tables and plot
@@ -396,24 +478,27 @@ def tables(result: dict) -> str:
                 ms = r["phase_ms"].get(phase, 0.0)
                 cells = f"{floor:.3f} | {ms / floor:.2f}" if floor else "- | -"
                 lines.append(f"| {r['bs']} | {r['prompt']} | {r['k']} | {phase} | {ms:.3f} | {cells} |")
-    swept = {}
+    if result.get("tuned"):
+        lines += ["", "| bs | prompt | K timed by tune_k | K measured | K chosen by the loop | its tokens/s | "
+                  "best measured K | its tokens/s | chosen / best |", "|---|---|---|---|---|---|---|---|---|"]
+    for tuned in result.get("tuned", []):
+        bs, prompt = tuned["bs"], tuned["prompt"]
+        by_k = {r["k"]: r["round_ms"] for r in rows
+                if r["variant"] == "specpass" and (r["bs"], r["prompt"]) == (bs, prompt)}
+        rate = lambda k: bs * expected_accept_length(result["acceptance"][:k]) / by_k[k] * 1e3  # noqa: E731
+        best, chosen = max(by_k, key=rate), tuned["chosen"]
+        got, ratio = ((f"{rate(chosen):.0f}", f"{rate(chosen) / rate(best):.3f}") if chosen in by_k
+                      else ("not timed", "-"))
+        lines.append(f"| {bs} | {prompt} | {tuned['timed']} | {sorted(by_k)} | {chosen} | {got} | {best} | "
+                     f"{rate(best):.0f} | {ratio} |")
     for r in rows:
-        if r["variant"] == "specpass":
-            swept.setdefault((r["bs"], r["prompt"]), {})[r["k"]] = r["round_ms"]
-    swept = {at: by_k for at, by_k in swept.items() if len(by_k) > 2}
-    if swept:
-        lines += ["", "| bs | prompt | K measured | choose_k (from the smallest and largest K) | its tokens/s | "
-                  "best measured K | its tokens/s | chosen / best |", "|---|---|---|---|---|---|---|---|"]
-        acc = result["acceptance"]
-        for (bs, prompt), by_k in swept.items():
-            ends = {k: by_k[k] for k in (min(by_k), max(by_k))}
-            chosen = choose_k(ends, acc[: max(by_k)])
-            rate = lambda k: bs * expected_accept_length(acc[:k]) / by_k[k] * 1e3  # noqa: E731
-            best = max(by_k, key=rate)
-            got = f"{rate(chosen):.0f}" if chosen in by_k else "not measured"
-            ratio = f"{rate(chosen) / rate(best):.3f}" if chosen in by_k else "-"
-            lines.append(f"| {bs} | {prompt} | {sorted(by_k)} | {chosen} | {got} | {best} | {rate(best):.0f} | "
-                         f"{ratio} |")
+        ours = [x for x in rows
+                if x["variant"] == "specpass" and (x["bs"], x["prompt"], x["k"]) == (r["bs"], r["prompt"], r["k"])]
+        if r["variant"] == "inductor" and ours:
+            saved, removed = r["floor_ms"]["live_rows_saved"], r["round_ms"] - ours[0]["round_ms"]
+            lines.append(f"\nbs {r['bs']} prompt {r['prompt']} K {r['k']}: the live-row rewrite removes at most "
+                         f"{saved:.3f} ms of the catch-up's FLOPs (no bytes), {saved / r['round_ms']:.1%} of the "
+                         f"plain-Inductor round; specpass removed {removed:.3f} ms ({removed / r['round_ms']:.1%})")
     if result["attention"]:
         names = ("cudnn", "efficient", "math", "flex", "cudnn_folded", "efficient_folded")
         lines += ["", "| bs | queries | slots | " + " | ".join(f"{n} µs (max err)" for n in names) + " |",
@@ -490,6 +575,12 @@ def main() -> None:
     parser.add_argument("--gqa-at", default="64x64,16x4096", type=points)
     parser.add_argument("--profile-at", default="64x64,16x4096", type=points)
     parser.add_argument("--attention-at", default="64x64,16x4096", type=points)
+    parser.add_argument("--direct-at", default="", type=points,
+                        help="points timed without the prefill (it does not fit at 64x4096)")
+    parser.add_argument("--tune-at", default="", type=points, help="points where Decoder.tune_k picks K")
+    parser.add_argument("--tune-ks", default="2,4,6", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--stop-after", type=float, default=float("inf"),
+                        help="seconds: start no variant after this (the device caps a command's time)")
     parser.add_argument("--variants", default="decode,specpass,inductor,specpass-gqa,apart", type=lambda s: s.split(","))
     parser.add_argument("--new-tokens", default="8,40", type=lambda s: tuple(int(x) for x in s.split(",")),
                         help="SHORT,LONG generates whose difference times the rounds")
@@ -505,7 +596,8 @@ def main() -> None:
         return
     if args.quick:
         args.points, args.k_sweep, args.k_sweep_at, args.new_tokens, args.repeats = [(2, 16)], [2], [(2, 16)], (4, 12), 1
-        args.inductor_at = args.apart_at = args.profile_at = args.gqa_at = [(2, 16)]
+        args.inductor_at = args.apart_at = args.profile_at = args.gqa_at = args.direct_at = args.tune_at = [(2, 16)]
+        args.tune_ks = [1, 2]
     save = (lambda r: args.out.write_text(json.dumps(r, indent=1))) if args.out else (lambda r: None)
     torch.set_grad_enabled(False)
     print(tables(sweep(args, save)))

@@ -59,13 +59,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """SDPA over the whole cache. q `[B, Tq, hq, d]`, k `[B, S, hk, d]`, v `[B, S, hk, dv]`,
     mask `[B, 1, Tq, S]` -> `[B, Tq, hq, dv]`. Fewer K/V heads than query heads is GQA/MQA.
 
+    Several tokens per request (a verify, a catch-up, a prefill): GQA is folded into the query axis,
+    as the MLA layer folds its heads. The g = hq / hk query heads of a K/V head become g rows per
+    token, `[B, hk, Tq * g, d]` (token-major, so a row gather on Tq still maps to whole blocks of
+    rows), and each K/V head is read once; with an explicit mask, `enable_gqa` goes to kernels that
+    read K/V once per query head. One token per request (a decode or draft step) stays SDPA's own
+    GQA, the call transformers makes: folded, its g rows go through other matmul paths than one row
+    and round differently (CPU), which flips near ties of plain decoding against transformers'.
     Never `is_causal=True`: its mask is top-left aligned, wrong once the cache holds a prefix.
     """
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask, scale=scale, enable_gqa=k.shape[2] != q.shape[2],
-    )
-    return out.transpose(1, 2)
+    B, T, hq, d = q.shape
+    S, hk, dv = v.shape[1], v.shape[2], v.shape[3]
+    g = hq // hk
+    if g == 1 or T == 1:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, scale=scale, enable_gqa=g != 1)
+        return out.transpose(1, 2)
+    q = q.view(B, T, hk, g, d).transpose(1, 2).reshape(B, hk, T * g, d)  # [B, hk, T*g, d]
+    mask = mask[:, :, :, None, :].expand(B, 1, T, g, S).reshape(B, 1, T * g, S)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
+    return out.view(B, hk, T, g, dv).transpose(1, 2).reshape(B, T, hq, dv)  # [B, hk, T*g, dv] -> [B, T, hq, dv]
 
 
 class Attention(nn.Module):

@@ -4,6 +4,7 @@
     out = dec.generate(prompts, max_new_tokens=64, eos_id=2)   # out.tokens, out.metrics
     out = dec.generate(prompts, 64, temperature=0.6, top_p=0.95, seed=0)   # speculative sampling
     plain = Decoder(target, None, max_batch=..., max_len=...)  # the target's own decoding
+    dec.tune_k(prompts, (2, 6), acceptance=out.metrics.acceptance)  # K for this batch size, timed; then used
 
 One round, for a request whose last emitted token x_n sits at position n (the target has not
 seen it yet; the drafter has, and holds its guess d_1 for position n+1):
@@ -38,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -278,13 +280,19 @@ def choose_k(round_ms: dict[int, float], acceptance: Sequence[float]) -> int:
     largest K gives every smaller K's acceptance. A round's cost is linear in K between the measured
     ones (K-1 draft steps; verify and catch-up over K+1 rows): a least-squares line through them.
     """
+    cost = price(round_ms, len(acceptance))
+    return max(cost, key=lambda k: expected_accept_length(acceptance[:k]) / cost[k])
+
+
+def price(round_ms: dict[int, float], k_max: int) -> dict[int, float]:
+    """ms per round for K = 1..k_max: measured where it was, else on the least-squares line through
+    the measured K."""
     if len(round_ms) < 2:
         raise ValueError(f"choose_k needs ms per round at two K or more, got {sorted(round_ms)}")
     ks, ms = list(round_ms), list(round_ms.values())
     mean_k, mean_ms = sum(ks) / len(ks), sum(ms) / len(ms)
     slope = sum((k - mean_k) * (m - mean_ms) for k, m in zip(ks, ms)) / sum((k - mean_k) ** 2 for k in ks)
-    cost = lambda k: round_ms.get(k, mean_ms + slope * (k - mean_k))  # noqa: E731  measured where it was
-    return max(range(1, len(acceptance) + 1), key=lambda k: expected_accept_length(acceptance[:k]) / cost(k))
+    return {k: round_ms.get(k, mean_ms + slope * (k - mean_k)) for k in range(1, k_max + 1)}
 
 
 def catch_up(drafter: Drafter, sampled: bool, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor,
@@ -419,6 +427,16 @@ class Output:
     metrics: Metrics
 
 
+@dataclasses.dataclass
+class KChoice:
+    """What `Decoder.tune_k` measured and chose."""
+
+    k: int  # the K the decoder runs from now on
+    round_ms: dict[int, float]  # K -> measured ms per round
+    acceptance: list[float]  # per draft position 1..N: the candidates are K = 1..N
+    tokens_per_ms: dict[int, float]  # K -> the cost model's tokens per ms per request
+
+
 COMPILERS = ("specpass", "inductor", "eager")
 
 
@@ -465,23 +483,31 @@ class Decoder:
         if drafter is not None:
             drafter.setup_caches(max_batch, max_len)
         self.vocab_size = self._probe()
+        self._wrap = _compiler(compile, mode)
+        self._bound: dict[int, tuple] = {}  # K -> its steps and compiled forms (`tune_k` switches K)
+        self._bind(self.k)
 
-        kind = drafter.hidden_kind if drafter is not None else None
-        sampled = not greedy_drafts
-        self.steps = Steps(
-            draft=functools.partial(draft, drafter, self.k, sampled) if drafter is not None else None,
-            verify=functools.partial(verify, target, kind, drafter.to_target if drafter is not None else None),
-            accept=accept,
-            catch_up=functools.partial(catch_up, drafter, sampled) if drafter is not None else None)
-        if hasattr(drafter, "draft_parallel"):  # verify + one draft forward per round
-            self.steps = self.steps._replace(draft=carried,
-                                             catch_up=functools.partial(parallel_catch_up, drafter, self.k, sampled))
-        wrap = _compiler(compile, mode)
-        if fused_round:
-            self._round = wrap(functools.partial(decode_round, self.steps))
-        else:  # `carried` moves nothing: no graph
-            self._steps = Steps(*(s if s is None or s is carried else wrap(s) for s in self.steps))
-            self._round = functools.partial(decode_round, self._steps)
+    def _bind(self, k: int) -> None:
+        """Decode with K drafts per round from now on: the steps with K bound, compiled (lazily) once per K."""
+        if k not in self._bound:
+            target, drafter, wrap = self.target, self.drafter, self._wrap
+            kind = drafter.hidden_kind if drafter is not None else None
+            sampled = not self.greedy_drafts
+            steps = Steps(
+                draft=functools.partial(draft, drafter, k, sampled) if drafter is not None else None,
+                verify=functools.partial(verify, target, kind, drafter.to_target if drafter is not None else None),
+                accept=accept,
+                catch_up=functools.partial(catch_up, drafter, sampled) if drafter is not None else None)
+            if hasattr(drafter, "draft_parallel"):  # verify + one draft forward per round
+                steps = steps._replace(draft=carried, catch_up=functools.partial(parallel_catch_up, drafter, k, sampled))
+            if self.fused_round:
+                compiled, run_round = None, wrap(functools.partial(decode_round, steps))
+            else:  # `carried` moves nothing: no graph
+                compiled = Steps(*(s if s is None or s is carried else wrap(s) for s in steps))
+                run_round = functools.partial(decode_round, compiled)
+            self._bound[k] = steps, compiled, run_round
+        self.k = k
+        self.steps, self._steps, self._round = self._bound[k]
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
@@ -535,6 +561,58 @@ class Decoder:
             accept_length=1 + sum(stats[1:]) / active, acceptance=[s / active for s in stats[1:]],
             phase_ms={"round": 1e3 * (end - prefill_end) / rounds, **phases})
         return Output([row[:n] for row, n in zip(out[:B], count[:B])], metrics)
+
+    def tune_k(self, prompts: Sequence[Sequence[int]], ks: Sequence[int] = (2, 6), *,
+               acceptance: Sequence[float] | None = None, new_tokens: tuple[int, int] = (8, 40),
+               repeats: int = 3) -> KChoice:
+        """Choose K for this batch size from measured costs, then decode with it (`choose_k`).
+
+        Each K in `ks` is compiled (and kept: switching back costs nothing) and its ms per round
+        timed on `prompts` (greedy; the batch padded to max_batch as `generate` pads it): the loop
+        time of a `new_tokens[1]` generate minus a `new_tokens[0]` one over the rounds between, median
+        of `repeats`, so prefill and compiling cancel. A round's shapes are static: its time does not
+        depend on what is accepted. acceptance: per draft position 1..N (`Metrics.acceptance` of a
+        run at K >= N, e.g. on the traffic this decoder serves); None measures it on `prompts` at the
+        largest K timed (chain drafting: one run at the largest K gives every smaller K's). The
+        candidates are K = 1..N, priced on the line through the timed K.
+        """
+        if self.drafter is None:
+            raise ValueError("plain decoding (drafter=None) drafts nothing: there is no K to tune")
+        timed = sorted(set(ks)) if all(_is_int(k) and k >= 1 for k in ks) else []
+        if len(timed) < 2:
+            raise ValueError(f"ks must hold two or more different K >= 1 to time (a line through their costs), "
+                             f"got {list(ks)!r}")
+        if acceptance is not None and (len(acceptance) == 0 or not all(
+                isinstance(a, numbers.Real) and 0 <= a <= 1 for a in acceptance)):
+            raise ValueError(f"acceptance must list, per draft position 1..N, the fraction of request-rounds "
+                             f"accepting it (Metrics.acceptance: floats in [0, 1]), got {acceptance!r}")
+        short, long = new_tokens
+        if not (_is_int(short) and _is_int(long) and 1 <= short < long) or not _is_int(repeats) or repeats < 1:
+            raise ValueError(f"new_tokens must be (short, long) ints with 1 <= short < long and repeats an int >= 1, "
+                             f"got {new_tokens!r}, {repeats!r}")
+        previous = self.k
+        for k in timed:  # every K fits the caches, checked before anything compiles
+            self._bind(k)
+            try:
+                self._check(prompts, [long] * len(prompts))
+            except ValueError as exc:
+                self._bind(previous)
+                raise ValueError(f"tuning at K = {k}: {exc}") from None
+        round_ms, measured = {}, []
+        for k in timed:
+            self._bind(k)
+            self.generate(prompts, short)  # compiles; on a GPU, records the CUDA graphs
+            samples = []
+            for _ in range(repeats):
+                a, b = (self.generate(prompts, n).metrics for n in (short, long))
+                samples.append((b.seconds - b.prefill_seconds - a.seconds + a.prefill_seconds) / (b.rounds - a.rounds))
+            round_ms[k] = 1e3 * statistics.median(samples)
+            measured = b.acceptance
+        acceptance = list(measured if acceptance is None else acceptance)
+        chosen = choose_k(round_ms, acceptance)
+        self._bind(chosen)
+        rates = {k: expected_accept_length(acceptance[:k]) / ms for k, ms in price(round_ms, len(acceptance)).items()}
+        return KChoice(chosen, round_ms, acceptance, rates)
 
     def _clock(self) -> float:
         if self.device.type == "cuda":

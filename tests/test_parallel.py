@@ -138,7 +138,9 @@ def test_live_rows_on_the_draft_forward(target):
     rewritten = specpass.rewrite(specpass.capture(dec.steps.catch_up, *args)).graph_module
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     (attention,) = rewritten.graph.find_nodes(op="call_function", target=sdpa)
-    assert attention.meta["val"].shape[-2] == k  # [B, heads, K, d]: K query rows per request
+    config = zoo.config("tiny-llama-peagle3")
+    group = config.num_attention_heads // config.num_key_value_heads  # query heads folded into the rows (GQA)
+    assert attention.meta["val"].shape[-2] == k * group  # [B, kv heads, K x group, d]: K query rows per request
     lm_head = [n for n in rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
                if n.meta["val"].shape[-1] == zoo.config("tiny-llama-peagle3").draft_vocab_size]
     assert [tuple(n.meta["val"].shape) for n in lm_head] == [(B, k, 96)]

@@ -7,6 +7,8 @@ import copy
 import dataclasses
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -159,11 +161,13 @@ def test_explain_catch_up_shows_the_live_row_gather(target):
     report = specpass.explain(dec.steps.catch_up, *args)
     live = [f for f in report.of("live_rows") if f.fired]
     assert live and live[0].rows == (3 * (k + 1), 3), str(report)
-    # The gather lands before attention (one query row per request), even though the sampled id
-    # then indexes d2t: an index computed from the rows, which must not be hoisted above them.
+    # The gather lands before attention (one token per request: its GQA group of query rows), even
+    # though the sampled id then indexes d2t: an index computed from the rows, which must not be
+    # hoisted above them.
     rewritten = specpass.rewrite(specpass.capture(dec.steps.catch_up, *args)).graph_module
     (attention,) = rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
-    assert attention.meta["val"].shape[-2] == 1
+    attn = dec.drafter.model.midlayer.self_attn
+    assert attention.meta["val"].shape[-2] == attn.n_heads // attn.n_kv_heads  # one token: its GQA group's rows
     assert "only known after" not in str(report)  # the query projection runs on live rows too
     assert any(f.fired for f in report.of("argmax")), str(report)  # the greedy softmax -> max
 
@@ -253,3 +257,58 @@ def test_choose_k_takes_the_most_tokens_per_ms():
     assert choose_k({1: 12.0, 3: 30.0, 5: 20.0}, acceptance) == 5  # measured K keep their cost; K 2, 4 on the line
     with pytest.raises(ValueError, match="two K"):
         choose_k({4: 10.0}, acceptance)
+
+
+class Slow(ZooDrafter):
+    """A drafter whose catch-up and draft steps each move a virtual clock by a known time."""
+
+    def __init__(self, model, clock, catch_up_s: float, draft_s: float):
+        super().__init__(model)
+        self.clock, self.catch_up_s, self.draft_s = clock, catch_up_s, draft_s
+
+    def catch_up(self, *args):
+        self.clock.now += self.catch_up_s
+        return super().catch_up(*args)
+
+    def draft_step(self, *args):
+        self.clock.now += self.draft_s
+        return super().draft_step(*args)
+
+
+@pytest.mark.parametrize("catch_up_s, draft_s", [(0.03, 0.0), (0.01, 0.03)])
+def test_tune_k_picks_the_fastest_k_and_decodes_with_it(target, monkeypatch, catch_up_s, draft_s):
+    clock = types.SimpleNamespace(now=0.0)  # the loop's clock: only the drafter's known costs move it
+    monkeypatch.setattr(time, "perf_counter", lambda: clock.now)
+    acceptance = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]
+    rate = {k: (1 + sum(acceptance[:k])) / (catch_up_s + (k - 1) * draft_s) for k in range(1, 7)}
+    want = max(rate, key=rate.get)  # free drafts: 6; costly drafts: 1
+    dec = Decoder(target, Slow(zoo.build("tiny-llama-eagle3", seed=3), clock, catch_up_s, draft_s), k=4,
+                  max_batch=len(PROMPTS), max_len=MAX_LEN + 2, compile="eager")
+    choice = dec.tune_k(PROMPTS, (2, 6), acceptance=acceptance, new_tokens=(2, 6), repeats=1)
+    assert choice.round_ms == pytest.approx({k: 1e3 * (catch_up_s + (k - 1) * draft_s) for k in (2, 6)})
+    assert choice.k == want == dec.k, choice
+    out = dec.generate(PROMPTS, NEW)
+    assert out.tokens == greedy(target).tokens and len(out.metrics.acceptance) == want
+
+
+def test_tune_k_measures_acceptance_at_the_largest_k(target):
+    dec = Decoder(target, drafter("copy", target), max_batch=len(PROMPTS), max_len=MAX_LEN, compile="eager")
+    choice = dec.tune_k(PROMPTS, (1, 3), new_tokens=(2, 8), repeats=1)
+    assert choice.acceptance == [1.0, 1.0, 1.0]  # the target's copy drafts its tokens: every draft accepted
+    assert set(choice.tokens_per_ms) == {1, 2, 3} and choice.k == dec.k
+
+
+def test_tune_k_bad_input(target):
+    with pytest.raises(ValueError, match="no K to tune"):
+        Decoder(target, None, max_batch=3, max_len=MAX_LEN, compile="eager").tune_k(PROMPTS)
+    dec = Decoder(target, drafter("copy", target), k=2, max_batch=3, max_len=MAX_LEN, compile="eager")
+    for ks in [(4,), (3, 3), (0, 2), (2.0, 4)]:
+        with pytest.raises(ValueError, match="two or more different K >= 1"):
+            dec.tune_k(PROMPTS, ks)
+    with pytest.raises(ValueError, match=r"acceptance must list.*\[0, 1\]"):
+        dec.tune_k(PROMPTS, acceptance=[0.5, 1.5])
+    with pytest.raises(ValueError, match="short < long"):
+        dec.tune_k(PROMPTS, new_tokens=(8, 8))
+    with pytest.raises(ValueError, match="tuning at K = 8: prompt 1 .* raise max_len"):
+        dec.tune_k(PROMPTS, (2, 8), new_tokens=(2, NEW))
+    assert dec.k == 2  # a refused tuning leaves K as it was
