@@ -141,6 +141,8 @@ class Bench:
                      accept_length=runs[0].accept_length, acceptance=runs[0].acceptance,
                      round_ms=statistics.median(m.phase_ms["round"] for m in runs),
                      phase_ms=timed.phase_ms if timed else None)
+            if self.args.profile and self.device.type == "cuda":
+                r["profile"] = kernels_per_round(decoder, prompts, new, sampling)
         return results
 
     def run_hf(self, prompts, assistant: bool) -> dict:
@@ -180,6 +182,22 @@ class Bench:
     def _sync(self):
         if self.device.type == "cuda":
             self.torch.cuda.synchronize()
+
+
+def kernels_per_round(decoder, prompts, new: int, sampling: dict) -> dict:
+    """One more generate under torch.profiler: the GPU kernels per round (a round's CUDA graph
+    replays its kernels; prefill's few, eager, are counted in and spread over the rounds), their
+    summed time per round, and the 30 most frequent kernels (name, launches and us per round)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        rounds = decoder.generate(prompts, new, **sampling).metrics.rounds
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
+    per_round = lambda v: round(v / rounds, 2)  # noqa: E731
+    top = sorted(kernels, key=lambda e: -e.count)[:30]
+    return dict(rounds=rounds, kernels=per_round(sum(e.count for e in kernels)),
+                us=per_round(sum(e.device_time_total for e in kernels)),
+                top=[(e.key[:90], per_round(e.count), per_round(e.device_time_total)) for e in top])
 
 
 def sweep(args, save) -> list[dict]:
@@ -251,9 +269,10 @@ def sweep_sampling(args, save) -> list[dict]:
                            **{key: v for key, v in r.items() if key != "tokens"})
                 rows.append(row)
                 save(rows)
+                profiled = f", {r['profile']['kernels']} kernels {r['profile']['us']} us per round" if "profile" in r else ""
                 print(f"  bs {bs} T {temperature} p {top_p} k {k} {variant}: {row['tokens_per_s']:.0f} tok/s, "
                       f"accept {row['accept_length']}, round {row['round_ms']:.3f} ms "
-                      f"({row['round_vs_greedy']:.2f}x greedy)", file=sys.stderr)
+                      f"({row['round_vs_greedy']:.2f}x greedy){profiled}", file=sys.stderr)
         bench.decoders.clear()
         torch._dynamo.reset()
     return rows
@@ -378,6 +397,8 @@ def main() -> None:
     parser.add_argument("--no-check", action="store_true", help="skip the fp32 exactness check")
     parser.add_argument("--quick", action="store_true", help="a smoke test: few tokens, one batch size, K 2")
     parser.add_argument("--out", type=Path, help="merge the rows into this JSON file")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: also profile one generate per variant: kernels and GPU us per round")
     parser.add_argument("--plot", type=Path, help="draw docs/e2e.png from this JSON file, print its table, exit")
     parser.add_argument("--sampling", type=lambda s: [_temperature(t) for t in s.split(",")],
                         help="speculative sampling at these temperatures, each T or T:top_p (see above)")

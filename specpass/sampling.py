@@ -204,6 +204,14 @@ def draw(logits: Tensor, params: Params, keys: Tensor, floor: Tensor | None = No
     return torch.ops.specpass.sample(logits, params.temperature, keys, floor)
 
 
+def gumbel_argmax(log_p: Tensor, keys: Tensor) -> Tensor:
+    """A token from each row of log-probabilities (unnormalised: any per-row shift) [R, V] -> [R]
+    int64, by the Gumbel-max trick with the sample op's noise, `gumbel(keys, column)`. For rows the
+    loop writes out anyway (the draft's q, the residual): written in torch ops, the draw is computed
+    by Inductor in the kernel that makes log_p, with no launch or second read of its own."""
+    return (log_p + gumbel(keys, torch.arange(log_p.shape[-1], device=log_p.device))).argmax(-1)
+
+
 # --- speculative sampling (Leviathan et al. 2023, Chen et al. 2023)
 
 

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 
 import specpass
-from specpass.sampling import (ACCEPT, DRAFT, TARGET, Params, accepts, draw, floor_of, key, logprobs, per_request,
-                               residual, uniform)
+from specpass.sampling import (ACCEPT, DRAFT, TARGET, Params, accepts, draw, floor_of, gumbel_argmax, key, logprobs,
+                               per_request, residual, uniform)
 
 
 class Target(Protocol):
@@ -136,9 +136,9 @@ def propose(drafter: Drafter, sampled: bool, logits: Tensor, params: Params | No
     greedy, or drawn from the draft's distribution processed as the target's is."""
     if params is None or not sampled:
         return greedy(drafter, logits), None
-    floor = floor_of(logits, params)
-    ids = draw(logits, params, key(params.seed, pos, DRAFT), floor)
-    q = logprobs(logits, params, floor).exp()  # [B, Vd]
+    log_q = logprobs(logits, params, floor_of(logits, params))  # [B, Vd]
+    ids = gumbel_argmax(log_q, key(params.seed, pos, DRAFT))  # drawn where q is made: one kernel
+    q = log_q.exp()
     return drafter.to_target(ids), Proposal(q, q.gather(1, ids[:, None])[:, 0])
 
 
@@ -225,8 +225,7 @@ def judge(logits: Tensor, d: Tensor, q: Proposal | None, params: Params, pos: Te
         ids = to_target(torch.arange(q.probs.shape[-1], device=d.device))  # the draft vocabulary in target ids
         q_a = p_a.new_zeros(B, V).index_copy(1, ids, q.probs[rows, at])
     q_a = torch.where(rejected, q_a, 0.0)
-    as_is = Params(torch.ones_like(params.temperature), params.seed, None, None)  # temperature 1, no filter
-    token = draw(residual(p_a, q_a), as_is, key(params.seed, pos + 1 + a, TARGET))
+    token = gumbel_argmax(residual(p_a, q_a), key(params.seed, pos + 1 + a, TARGET))
     y = torch.cat([d, d[:, :1]], 1).scatter(1, a[:, None], token[:, None])
     return y, a
 

@@ -154,6 +154,33 @@ if torch.cuda.is_available():
         tl.store(out_ptr + row * V + cols, triton_top1._uniform(tl.load(key_ptr + row).to(tl.uint32), cols),
                  mask=cols < V)
 
+    @triton.jit
+    def _quotients_kernel(x_ptr, t_ptr, out_ptr, N, STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        """out[row] = triton_top1._divide(x, t[row]): the kernels' division, on its own."""
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        t = tl.load(t_ptr + row)
+        r, lo = triton_top1._reciprocal(t)
+        x = tl.load(x_ptr + cols, mask=cols < N)
+        tl.store(out_ptr + row.to(tl.int64) * N + cols, triton_top1._divide(x, t, r, lo, STEPS), mask=cols < N)
+
+    @triton.jit
+    def _significand_mismatches_kernel(x_ptr, NX, out_ptr, STEPS: tl.constexpr, BLOCK: tl.constexpr,
+                                       PER: tl.constexpr):
+        """For PER divisors t in [1, 2) (the significands 1 + j 2**-23, j from program * PER), the
+        number of the NX x (in [1, 2)) whose _divide(x, t) differs from IEEE div.rn.f32."""
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + cols, mask=cols < NX, other=1.0)
+        bad = tl.zeros([BLOCK], tl.int32)
+        for j in range(tl.program_id(0) * PER, tl.program_id(0) * PER + PER):
+            t = (j | 0x3F800000).to(tl.float32, bitcast=True)  # one divisor for the whole row, as in the op
+            r, lo = triton_top1._reciprocal(t)
+            got = triton_top1._divide(x, t, r, lo, STEPS)
+            want = tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=f,f,f", [x, t], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+            bad += (got.to(tl.int32, bitcast=True) != want.to(tl.int32, bitcast=True)).to(tl.int32)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(bad, 0))
+
 
 def _keys(n: int, seed: int = 0, device: str = "cuda") -> torch.Tensor:
     return key(torch.tensor([seed], device=device), torch.arange(n, device=device), TARGET)
@@ -188,6 +215,73 @@ def test_sample_indices_equal_the_torch_implementation(rows, vocab, dtype, floor
         want = torch.ops.specpass.sample(logits.cpu(), temperature.cpu(), keys.cpu(), cut.cpu() if floor else None)
         assert got[0] == logits[0].float().argmax()
         assert (got != want).sum() <= max(1, rows // 100), (got != want).nonzero()
+
+
+def _temperatures() -> torch.Tensor:
+    """Divisors for the division tests: the usual ones, every power of two (subnormal to 2**127),
+    random ones over 2**-40..2**40 and over (0.05, 2), the fast path's edges, and the specials."""
+    g = torch.Generator().manual_seed(22)
+    f32 = lambda bits: torch.tensor(bits, dtype=torch.int32).view(torch.float32)  # noqa: E731
+    edges = torch.tensor([2.0**-32, 2.0**32])
+    return torch.cat([
+        torch.tensor([0.7, 1 / 3, 0.6, 1.0, 1.3, 0.05, 2.0, 1e-3, 1e3]),
+        torch.tensor([2.0**e for e in range(-149, 128)]),
+        torch.exp2(torch.rand(120, generator=g) * 80 - 40),
+        torch.rand(120, generator=g) * 1.95 + 0.05,
+        edges, edges.nextafter(torch.zeros(2)), edges.nextafter(torch.full((2,), float("inf"))),
+        f32([1, 0x007FFFFF, 0x00800000, 0x7F7FFFFF]),  # subnormal, largest subnormal, smallest normal, max
+        torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -0.7, -2.0**-40, -3.0]),
+    ])
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    return (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_division_equals_torch_bit_for_bit(dtype):
+    """The kernels' x / t (triton_top1._divide: a reciprocal per row and Markstein corrections, IEEE
+    division outside their range) against torch's x / t on the GPU (IEEE, subnormals kept), bit for
+    bit (any NaN for NaN): every bf16 and fp16 bit pattern, and for fp32 2**19 random bit patterns
+    (every exponent: subnormals, huge, inf, NaN) and 2**19 logit-like values, by every divisor of
+    _temperatures()."""
+    g = torch.Generator().manual_seed(1)
+    if dtype == torch.float32:
+        x = torch.cat([torch.randint(-2**31, 2**31, (2**19,), generator=g, dtype=torch.int64).to(torch.int32)
+                       .view(torch.float32), torch.randn(2**19, generator=g) * 8]).cuda()
+    else:
+        x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(dtype).float().cuda()
+    t = _temperatures().cuda()
+    got = torch.empty(t.shape[0], x.shape[0], device="cuda")
+    _quotients_kernel[(t.shape[0], triton.cdiv(x.shape[0], 4096))](x, t, got, x.shape[0],
+                                                                   STEPS=2 if dtype == torch.float32 else 1, BLOCK=4096)
+    want = x[None, :] / t[:, None]
+    same = _same_bits(got, want)
+    bad = (~same).nonzero()[:5].tolist()
+    assert same.all(), [(x[j].item(), t[i].item(), got[i, j].item(), want[i, j].item()) for i, j in bad]
+
+
+@cuda
+@pytest.mark.parametrize("bits,steps", [(7, 1), (10, 1), (23, 2)])
+def test_division_is_exact_for_every_significand_pair(bits, steps):
+    """The proof of _divide's fast path: where it runs, every step's result is a normal number or
+    0, so x / t's rounding depends on the significands alone. Every x in [1, 2) with `bits` fraction
+    bits (bf16: 7, fp16: 10; all 2**bits of them) against every fp32 t in [1, 2) (2**23), compared
+    with IEEE div.rn.f32: 2**30 and 2**33 pairs. fp32 x (23 bits, two steps; exact by Markstein's
+    theorem, see _divide): 2**23 divisors by 512 x, the 256 largest significands (where RN(x * r)
+    is least accurate) and 256 random ones."""
+    if bits == 23:
+        g = torch.Generator().manual_seed(2)
+        fractions = torch.cat([2**23 - 1 - torch.arange(256), torch.randint(0, 2**23, (256,), generator=g)])
+    else:
+        fractions = torch.arange(2**bits) << (23 - bits)
+    x = (fractions.to(torch.int32) | 0x3F800000).view(torch.float32).cuda()
+    per = 256
+    out = torch.empty(2**23 // per, dtype=torch.int32, device="cuda")
+    _significand_mismatches_kernel[(out.shape[0],)](x, x.shape[0], out, STEPS=steps, BLOCK=x.shape[0], PER=per,
+                                                    num_warps=max(1, x.shape[0] // 128))  # 4 or 8 x per thread
+    assert out.sum().item() == 0
 
 
 def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -69,7 +69,7 @@ def sample(logits: Tensor, temperature: Tensor, key: Tensor, floor: Tensor | Non
     -> [R] int64: a draw from softmax(x / T) over the entries x >= floor (x: the fp32 logits), by
     the Gumbel-max trick with the noise of `specpass.sampling.gumbel(key, column)`; where T is 0
     the first arg-max of x (floor and noise unused). The distribution is specpass.sampling.logprobs'.
-    On CUDA, top1_lse's kernel over x / T (div_rn) + noise from the same uint32 hash (uniforms bit
+    On CUDA, top1_lse's kernel over x / T (correctly rounded) + noise from the same uint32 hash (uniforms bit
     for bit), one read of the logits; it applies the floor after the noise, so a uniform of 1.0
     (+inf noise) below the floor is -inf there, where this implementation makes it NaN, which wins."""
     from specpass.sampling import gumbel

@@ -2,11 +2,12 @@
 one pass over each row, one kernel for both.
 
 Each element is first turned into the value the row is reduced over (`_score`): for top1_lse the
-prologue folded into the op, s = x * scale or x / scale in fp32, correctly rounded (mul_rn,
-div_rn: Triton's default fp32 division is approximate), then rounded to a 16-bit dtype where the
-original rounded; for sample, x / T (div_rn) plus the Gumbel noise of the counter hash, the same
-uint32 arithmetic as specpass.sampling.uniform so that the uniforms are bit-identical, -inf under
-the floor. Then the same reduction serves both: sample keeps the max and its first index, top1_lse
+prologue folded into the op, s = x * scale or x / scale in fp32, correctly rounded (the quotient
+by a reciprocal per row and Markstein corrections, `_divide`: Triton's default fp32 division is
+approximate, and div_rn costs a reciprocal MUFU, a check and 5 fmas per element), then rounded
+to a 16-bit dtype where the original rounded; for sample, x / T (`_divide`) plus the Gumbel
+noise of the counter hash, the same uint32 arithmetic as specpass.sampling.uniform so that the
+uniforms are bit-identical, -inf under the floor. Then the same reduction serves both: sample keeps the max and its first index, top1_lse
 also the sum of exp.
 
 A program reads a chunk of one row, a tile of E x T elements at a step: each thread holds E
@@ -78,17 +79,70 @@ def _uniform(key, cols):
     return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23: exact, in (0, 1)
 
 
+def _divide_asm(steps: int, pack: int = 4) -> str:
+    """_divide's PTX for `pack` elements: $i = x_i / t for x_i = $(pack + i), t, r = RN(1 / t) and lo
+    the next operands (each repeated `pack` times, the same value)."""
+    x, t, r, lo = (lambda i, k=k: f"${k * pack + i}" for k in range(1, 5))
+    lines = [f"{{ .reg .f32 q<{pack}>, n, a; .reg .pred p;"]
+    for i in range(pack):
+        lines.append(f"mul.rn.f32 q{i}, {x(i)}, {r(0)};")
+        lines += [f"neg.f32 n, q{i}; fma.rn.f32 n, n, {t(0)}, {x(i)}; fma.rn.f32 q{i}, n, {r(0)}, q{i};"] * steps
+        so_far = (".and", ", p") if i else ("", "")  # p: every x_i inside [lo, 2**64] (false for NaN)
+        lines.append(f"abs.f32 a, {x(i)}; setp.ge{so_far[0]}.f32 p, a, {lo(0)}{so_far[1]}; "
+                     "setp.le.and.f32 p, a, 0f5F800000, p;")
+    lines.append("@p bra DONE;")  # a branch, taken by whole warps in practice: the division is never speculated
+    lines += [f"div.rn.f32 q{i}, {x(i)}, {t(0)};" for i in range(pack)]
+    lines.append("DONE:")
+    lines += [f"mov.f32 ${i}, q{i};" for i in range(pack)]
+    return "\n".join(lines) + " }"
+
+
+_ONE_STEP, _TWO_STEPS = tl.constexpr(_divide_asm(1)), tl.constexpr(_divide_asm(2))
+_OPERANDS = tl.constexpr(",".join(["=f"] * 4 + ["f"] * 16))  # 4 quotients; x, t, r, lo for each
+
+
 @triton.jit
-def _score(raw, cols, scale, key, floor, PROLOGUE: tl.constexpr, ROUND: tl.constexpr,
+def _reciprocal(t):
+    """A row's divisor t -> (RN(1 / t), lo) for _divide: lo is the smallest |x| taken through the
+    fast path, 2**-64, or +inf (none) where |t| is outside [2**-32, 2**32] or NaN."""
+    fast = (tl.abs(t) >= 2.3283064365386963e-10) & (tl.abs(t) <= 4294967296.0)
+    return tl.div_rn(1.0, tl.where(fast, t, 1.0)), tl.where(fast, 5.421010862427522e-20, float("inf"))
+
+
+@triton.jit
+def _divide(x, t, r, lo, STEPS: tl.constexpr):
+    """x / t correctly rounded (IEEE, as div_rn), fp32; r and lo from _reciprocal(t). t, r and lo are
+    one value per row: the asm takes each group of 4 adjacent elements with the first one's.
+
+    Where 2**-64 <= |x| <= 2**64 and 2**-32 <= |t| <= 2**32: q = RN(x * r), then STEPS Markstein
+    corrections q = RN(q + RN(x - q * t) * r) (one fma each): a multiply and 2 * STEPS fma, no MUFU.
+    Every intermediate is then a normal number or exactly 0, so the result depends on the
+    significands of x and t alone (a power of two scales every step exactly). One step is exact
+    for every 16-bit significand (bf16 8 bits, fp16 11) against every fp32 t: all 2**30 and 2**33
+    pairs, checked on the GPU (tests/test_kernels.py). For 24-bit x, RN(x * r) can be 1.04 ulp
+    off (not faithful) and its remainder inexact; a first step still leaves q within
+    0.5 ulp + 2**-21 ulp (faithful), and the second is exact by Markstein's theorem (r within half
+    an ulp of 1/t, q within one ulp of x/t, round to nearest: RN(q + (x - q t) r) = RN(x / t), the
+    remainder exact). Anything else (0, subnormal, huge, inf, NaN, t out of range) takes IEEE
+    div.rn.f32 under a branch that costs nothing where no lane of a warp takes it. The asm keeps
+    every rounding where it is written (no contraction, whatever enable_fp_fusion says)."""
+    asm: tl.constexpr = _ONE_STEP if STEPS == 1 else _TWO_STEPS
+    return tl.inline_asm_elementwise(asm, _OPERANDS, [x, t, r, lo], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _score(raw, cols, scale, r, lo, key, floor, PROLOGUE: tl.constexpr, ROUND: tl.constexpr,
            SAMPLE: tl.constexpr, FLOOR: tl.constexpr):
     """What a row is reduced over, fp32. top1_lse: x, x * scale or x / scale
     rounded to ROUND (if not None). sample (scale: the row's temperature, key: its uint32 key):
-    x / scale + gumbel(key, column), -inf where x < floor; where scale is not > 0, x. NaN counts as
-    +inf there, as torch.argmax takes it for the largest."""
+    x / scale + gumbel(key, column), -inf where x < floor; where scale is not > 0, x. r, lo:
+    _reciprocal of the divisor (sample: 1 where scale is not > 0). NaN counts as +inf there, as
+    torch.argmax takes it for the largest."""
     x = raw.to(tl.float32)
+    STEPS: tl.constexpr = 2 if raw.dtype == tl.float32 else 1
     if SAMPLE:
         greedy = ~(scale > 0)  # NaN too, as the torch implementation
-        s = tl.div_rn(x, tl.where(greedy, 1.0, scale)) - libdevice.log(-libdevice.log(_uniform(key, cols)))
+        s = _divide(x, tl.where(greedy, 1.0, scale), r, lo, STEPS) - libdevice.log(-libdevice.log(_uniform(key, cols)))
         if FLOOR:
             s = tl.where(x >= floor, s, float("-inf"))
         s = tl.where(greedy, x, s)
@@ -97,7 +151,7 @@ def _score(raw, cols, scale, key, floor, PROLOGUE: tl.constexpr, ROUND: tl.const
         if PROLOGUE == 1:
             x = x * scale  # rounded as torch's: an fma can only take it into exp's argument, never into s
         elif PROLOGUE == 2:
-            x = tl.div_rn(x, scale)
+            x = _divide(x, scale, r, lo, STEPS)
         if ROUND is not None:
             x = x.to(ROUND).to(tl.float32)  # to nearest even (the interpreter truncates)
     return x
@@ -121,6 +175,7 @@ def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, out_
     row, part = tl.program_id(0), tl.program_id(1)
     base = x_ptr + row.to(tl.int64) * stride  # the rest of the index math is int32
     scale = tl.load(scale_ptr + row * scale_stride) if PER_ROW else scalar
+    r, lo = _reciprocal(tl.where(scale > 0, scale, 1.0) if SAMPLE else scale)
     key = tl.load(key_ptr + row).to(tl.uint32) if SAMPLE else 0
     floor = tl.load(floor_ptr + row) if FLOOR else 0.0
     start = part * chunk
@@ -136,13 +191,13 @@ def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, out_
     raw = tl.load(base + start + offs, mask=start < full_end, other=0.0)
     for jj in range(start, full_end, BLOCK):  # whole tiles, each loaded one step ahead
         raw_next = tl.load(base + jj + BLOCK + offs, mask=jj + BLOCK < full_end, other=0.0)
-        x = _score(raw, jj + offs, scale, key, floor, PROLOGUE, ROUND, SAMPLE, FLOOR)
+        x = _score(raw, jj + offs, scale, r, lo, key, floor, PROLOGUE, ROUND, SAMPLE, FLOOR)
         m, t, z = _step(x, m, t, z, jj, not SAMPLE)
         raw = raw_next
     if full_end < end:  # the last, partial tile
         cols = full_end + offs
         raw = tl.load(base + cols, mask=cols < end, other=0.0)
-        x = tl.where(cols < end, _score(raw, cols, scale, key, floor, PROLOGUE, ROUND, SAMPLE, FLOOR), float("-inf"))
+        x = tl.where(cols < end, _score(raw, cols, scale, r, lo, key, floor, PROLOGUE, ROUND, SAMPLE, FLOOR), float("-inf"))
         m, t, z = _step(x, m, t, z, full_end, not SAMPLE)
     if SAMPLE:
         top = tl.max(m, 0)
@@ -152,7 +207,7 @@ def _chunk_kernel(x_ptr, stride, V, chunk, out_i_ptr, out_m_ptr, out_z_ptr, out_
     cols = _lanes(t) + offs
     lane_has_top = (cols < end) & (_lanes(m) == top)
     raw = tl.load(base + cols, mask=lane_has_top, other=0.0)
-    again = tl.where(lane_has_top, _score(raw, cols, scale, key, floor, PROLOGUE, ROUND, SAMPLE, FLOOR), float("nan"))
+    again = tl.where(lane_has_top, _score(raw, cols, scale, r, lo, key, floor, PROLOGUE, ROUND, SAMPLE, FLOOR), float("nan"))
     index = tl.min(tl.min(tl.min(tl.where(again == top, cols, end), 2), 1), 0)
     index = tl.where(index < end, index, start)  # an empty chunk
     if not SAMPLE:
