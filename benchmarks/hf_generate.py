@@ -21,8 +21,8 @@ median tokens/s (new tokens over generate's wall time, prefill included). "agree
 equal specpass/plain's. The loop's variants also give the median prefill ms and ms per round
 (`Metrics`) and, for ours, "outside": generate's wall time beyond the Decoder's (argument checks,
 the output tensor). `--profile-bs`: at that batch size, one generate of each loop variant under
-torch.profiler, kernels and GPU time per round (a text file beside `--out`). Rows are written to
-`--out` after every batch size. Last (unless --no-qwen3), a tiny random Qwen3 pair (specpass/draft
+torch.profiler: per kernel, launches and GPU time (a text file beside `--out`). Rows are written to
+`--out` after every batch size. First (unless --no-qwen3), a tiny random Qwen3 pair (specpass/draft
 and hf-assisted at bs 1), to show another family runs; no speed is claimed from it.
 """
 
@@ -141,20 +141,25 @@ class Bench:
         return time.perf_counter() - start, tokens, metrics
 
     def profile(self, name, run, ids, mask, prompts) -> str:
-        """One generate under torch.profiler: kernels and GPU microseconds per round, the top kernels."""
+        """One generate under torch.profiler -> its GPU kernels (prefill included): per kernel name,
+        launches and GPU microseconds, most time first."""
+        import collections
+
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             _, _, metrics = self.timed(run, ids, mask, prompts)
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        per = max(metrics.rounds, 1)
-        gpu_us = sum(e.device_time for e in kernels)
-        head = (f"{name}: {metrics.rounds} rounds, prefill {1e3 * metrics.prefill_seconds:.2f} ms, "
-                f"{1e3 * (metrics.seconds - metrics.prefill_seconds) / per:.3f} ms/round wall; "
-                f"GPU activities {len(kernels)} ({len(kernels) / per:.0f} per round), {gpu_us / per:.0f} us per round "
-                f"(prefill included)")
-        table = prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70)
-        return head + "\n" + table
+        kernels = collections.defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                kernels[e.name][0] += 1
+                kernels[e.name][1] += e.device_time
+        launches, gpu_us = sum(n for n, _ in kernels.values()), sum(t for _, t in kernels.values())
+        lines = [f"== {name}: {metrics.rounds} rounds, prefill {1e3 * metrics.prefill_seconds:.2f} ms, "
+                 f"{1e3 * (metrics.seconds - metrics.prefill_seconds) / metrics.rounds:.3f} ms/round wall; "
+                 f"{launches} kernels, {gpu_us / 1e3:.2f} ms GPU"]
+        lines += [f"{n:6d} {t:10.1f} {k[:160]}" for k, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])]
+        return "\n".join(lines)
 
 
 def left_padded(torch, prompts, device):
@@ -175,7 +180,7 @@ def sweep(args) -> list[dict]:
     torch = bench.torch
     where = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
     env = dict(device=where, torch=torch.__version__, dtype=args.dtype, new_tokens=args.new_tokens, k=args.k)
-    rows = []
+    rows = [] if args.no_qwen3 else tiny_qwen3(args)
     for bs in args.bs:
         prompts = bench.prompts(bs)
         ids, mask = left_padded(torch, prompts, bench.device)
@@ -205,14 +210,14 @@ def sweep(args) -> list[dict]:
         if bs == args.profile_bs:
             text = "\n\n".join(bench.profile(name, variants[name], ids, mask, prompts)
                                for name in variants if name.startswith(("specpass/", "zoo/")))
-            print(text, file=sys.stderr)
+            print("\n".join(line for line in text.splitlines() if line.startswith("==")), file=sys.stderr)
             if args.out:
                 args.out.with_suffix(".profile.txt").write_text(text)
         if args.out:  # after every batch size: a run cut short keeps what it measured
             args.out.write_text(json.dumps(rows, indent=1))
         print(table(rows), file=sys.stderr)
         torch._dynamo.reset()
-    return rows + ([] if args.no_qwen3 else tiny_qwen3(args))
+    return rows
 
 
 def tiny_qwen3(args) -> list[dict]:
