@@ -18,8 +18,12 @@ Ours: specpass with Inductor, CUDA graphs and the fused round on a GPU (specpass
 on CPU the rewritten graphs run eagerly (--quick: no torch.compile at all). Every variant runs once
 to compile and warm up; then `--repeats` interleaved passes over the variants of a batch size,
 median tokens/s (new tokens over generate's wall time, prefill included). "agree": the new tokens
-equal specpass/plain's. Last, a tiny random Qwen3 pair (specpass/draft and hf-assisted at bs 1),
-to show another family runs; no speed is claimed from it.
+equal specpass/plain's. The loop's variants also give the median prefill ms and ms per round
+(`Metrics`) and, for ours, "outside": generate's wall time beyond the Decoder's (argument checks,
+the output tensor). `--profile-bs`: at that batch size, one generate of each loop variant under
+torch.profiler: per kernel, launches and GPU time (a text file beside `--out`). Rows are written to
+`--out` after every batch size. First (unless --no-qwen3), a tiny random Qwen3 pair (specpass/draft
+and hf-assisted at bs 1), to show another family runs; no speed is claimed from it.
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ class Bench:
                 out = specpass.generate(self.model, ids, attention_mask=mask, assistant_model=assistant,
                                         max_new_tokens=new, num_assistant_tokens=k, compile=self.compile,
                                         mode=self.mode, return_dict_in_generate=True)
-                return out.sequences[:, ids.shape[1]:].tolist(), out.metrics.accept_length
+                return out.sequences[:, ids.shape[1]:].tolist(), out.metrics
             return run
 
         def zoo(kind):
@@ -103,7 +107,7 @@ class Bench:
                     decoders[0] = Decoder(target, drafter, k=k, max_batch=len(prompts), max_len=max_len,
                                           compile=self.compile, mode=self.mode, fused_round=self.device.type == "cuda")
                 out = decoders[0].generate(prompts, new)
-                return out.tokens, out.metrics.accept_length
+                return out.tokens, out.metrics
             return run
 
         found = {"specpass/plain": ours(None), "specpass/draft": ours(self.draft), "specpass/eagle3": ours(self.eagle3),
@@ -125,15 +129,37 @@ class Bench:
             return out[:, ids.shape[1]:].tolist(), None
         return run
 
-    def timed(self, run, ids, mask, prompts) -> tuple[float, list[list[int]], float | None]:
+    def timed(self, run, ids, mask, prompts) -> tuple[float, list[list[int]], object]:
+        """-> (wall seconds, new tokens, the loop's Metrics or None)."""
         if self.device.type == "cuda":
             self.torch.cuda.synchronize()
         start = time.perf_counter()
         with self.torch.no_grad():
-            tokens, accept = run(ids, mask, prompts)
+            tokens, metrics = run(ids, mask, prompts)
         if self.device.type == "cuda":
             self.torch.cuda.synchronize()
-        return time.perf_counter() - start, tokens, accept
+        return time.perf_counter() - start, tokens, metrics
+
+    def profile(self, name, run, ids, mask, prompts) -> str:
+        """One generate under torch.profiler -> its GPU kernels (prefill included): per kernel name,
+        launches and GPU microseconds, most time first."""
+        import collections
+
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            _, _, metrics = self.timed(run, ids, mask, prompts)
+        kernels = collections.defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                kernels[e.name][0] += 1
+                kernels[e.name][1] += e.device_time
+        launches, gpu_us = sum(n for n, _ in kernels.values()), sum(t for _, t in kernels.values())
+        lines = [f"== {name}: {metrics.rounds} rounds, prefill {1e3 * metrics.prefill_seconds:.2f} ms, "
+                 f"{1e3 * (metrics.seconds - metrics.prefill_seconds) / metrics.rounds:.3f} ms/round wall; "
+                 f"{launches} kernels, {gpu_us / 1e3:.2f} ms GPU"]
+        lines += [f"{n:6d} {t:10.1f} {k[:160]}" for k, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])]
+        return "\n".join(lines)
 
 
 def left_padded(torch, prompts, device):
@@ -154,28 +180,44 @@ def sweep(args) -> list[dict]:
     torch = bench.torch
     where = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
     env = dict(device=where, torch=torch.__version__, dtype=args.dtype, new_tokens=args.new_tokens, k=args.k)
-    rows = []
+    rows = [] if args.no_qwen3 else tiny_qwen3(args)
     for bs in args.bs:
         prompts = bench.prompts(bs)
         ids, mask = left_padded(torch, prompts, bench.device)
         variants = bench.variants(bs)
         results = {}
         for name, run in variants.items():  # compile and warm up
-            seconds, tokens, accept = bench.timed(run, ids, mask, prompts)
-            results[name] = dict(tokens=tokens, accept_length=accept, compile_s=seconds, runs=[])
+            seconds, tokens, metrics = bench.timed(run, ids, mask, prompts)
+            results[name] = dict(tokens=tokens, compile_s=seconds, runs=[])
             print(f"  bs {bs} {name}: first call {seconds:.1f} s", file=sys.stderr)
         for i in range(args.repeats):  # interleaved, in a rotating order: drift falls on every variant alike
             order = list(variants)[i % len(variants):] + list(variants)[: i % len(variants)]
             for name in order:
-                results[name]["runs"].append(bench.timed(variants[name], ids, mask, prompts)[0])
+                seconds, _, metrics = bench.timed(variants[name], ids, mask, prompts)
+                results[name]["runs"].append((seconds, metrics))
         reference = results.get("specpass/plain", next(iter(results.values())))["tokens"]
         for name, r in results.items():
-            seconds = statistics.median(r["runs"])
-            rows.append(dict(env, variant=name, bs=bs, tokens_per_s=bs * args.new_tokens / seconds,
-                             accept_length=r["accept_length"], agree=r["tokens"] == reference,
-                             compile_s=r["compile_s"]))
+            seconds = statistics.median(s for s, _ in r["runs"])
+            row = dict(env, variant=name, bs=bs, tokens_per_s=bs * args.new_tokens / seconds,
+                       accept_length=None, agree=r["tokens"] == reference, compile_s=r["compile_s"])
+            loop = [m for _, m in r["runs"] if m is not None]
+            if loop:
+                row.update(accept_length=loop[0].accept_length, rounds=loop[0].rounds,
+                           prefill_ms=statistics.median(1e3 * m.prefill_seconds for m in loop),
+                           round_ms=statistics.median(1e3 * (m.seconds - m.prefill_seconds) / m.rounds for m in loop),
+                           outside_ms=statistics.median(1e3 * (s - m.seconds) for s, m in r["runs"]))
+            rows.append(row)
+        if bs == args.profile_bs:
+            text = "\n\n".join(bench.profile(name, variants[name], ids, mask, prompts)
+                               for name in variants if name.startswith(("specpass/", "zoo/")))
+            print("\n".join(line for line in text.splitlines() if line.startswith("==")), file=sys.stderr)
+            if args.out:
+                args.out.with_suffix(".profile.txt").write_text(text)
+        if args.out:  # after every batch size: a run cut short keeps what it measured
+            args.out.write_text(json.dumps(rows, indent=1))
+        print(table(rows), file=sys.stderr)
         torch._dynamo.reset()
-    return rows + tiny_qwen3(args)
+    return rows
 
 
 def tiny_qwen3(args) -> list[dict]:
@@ -215,10 +257,13 @@ def tiny_qwen3(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| bs | variant | tokens/s | accepted length | agree |", "|---|---|---|---|---|"]
+    lines = ["| bs | variant | tokens/s | accepted length | prefill ms | ms/round | outside ms | agree |",
+             "|---|---|---|---|---|---|---|---|"]
+    cell = lambda r, key, form: format(r[key], form) if r.get(key) is not None else "-"  # noqa: E731
     for r in rows:
-        accept = f"{r['accept_length']:.2f}" if r["accept_length"] is not None else "-"
-        lines.append(f"| {r['bs']} | {r['variant']} | {r['tokens_per_s']:.0f} | {accept} | {r['agree']} |")
+        lines.append(f"| {r['bs']} | {r['variant']} | {r['tokens_per_s']:.0f} | {cell(r, 'accept_length', '.2f')} | "
+                     f"{cell(r, 'prefill_ms', '.2f')} | {cell(r, 'round_ms', '.3f')} | {cell(r, 'outside_ms', '.2f')} | "
+                     f"{r['agree']} |")
     return "\n".join(lines)
 
 
@@ -233,7 +278,9 @@ def main() -> None:
     parser.add_argument("--variants", default="specpass/plain,specpass/draft,specpass/eagle3,zoo/draft,zoo/eagle3,"
                         "hf-static,hf-assisted", type=lambda s: s.split(","))
     parser.add_argument("--quick", action="store_true", help="a smoke test: bs 1 and 2, 8 tokens, 1 repeat, fp32")
-    parser.add_argument("--out", type=Path, help="write the rows to this JSON file")
+    parser.add_argument("--out", type=Path, help="write the rows to this JSON file (after every batch size)")
+    parser.add_argument("--profile-bs", type=int, help="profile one generate of each loop variant at this batch size")
+    parser.add_argument("--no-qwen3", action="store_true", help="skip the tiny Qwen3 pair")
     args = parser.parse_args()
     if args.quick:
         args.bs, args.new_tokens, args.repeats, args.dtype = [1, 2], 8, 1, "float32"

@@ -98,9 +98,11 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)
     width = max(map(len, out.tokens))
     # pad is None only without an EOS: then every row has the same length and no padding.
-    sequences = torch.cat([input_ids, input_ids.new_full((len(prompts), width), -1 if pad is None else pad)], 1)
+    # Built on the host and copied once: a copy per row costs a transfer each on a GPU.
+    new = torch.full((len(prompts), width), -1 if pad is None else pad, dtype=input_ids.dtype)
     for b, tokens in enumerate(out.tokens):
-        sequences[b, input_ids.shape[1]:][: len(tokens)] = torch.tensor(tokens)
+        new[b, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    sequences = torch.cat([input_ids, new.to(input_ids.device)], 1)
     if not return_dict_in_generate:
         return sequences
     return GenerateOutput(sequences, out.metrics, dict(recorder.fired) if recorder is not None else {})
@@ -115,7 +117,7 @@ def _prompts(input_ids: Tensor, attention_mask: Tensor | None) -> list[list[int]
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {list(attention_mask.shape)} must have input_ids' shape "
                          f"{list(input_ids.shape)}")
-    mask = attention_mask.bool()
+    input_ids, mask = input_ids.cpu(), attention_mask.cpu().bool()  # one transfer each, not a sync per check and row
     if not (mask[:, :-1] <= mask[:, 1:]).all() or not mask[:, -1].all():
         raise ValueError("attention_mask must be left padding (zeros, then ones to the end of each row, at least "
                          "one): pad prompts on the left, as transformers' generate expects "
