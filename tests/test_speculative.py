@@ -209,6 +209,18 @@ def test_prefill_compiles_once_for_every_prompt_length(target, name):
         assert backend.graphs == 5, n  # the first generate compiled the prefill and 4 steps; no length recompiles
 
 
+def test_decoders_over_one_pair_keep_their_own_compile_caches(target):
+    """Five Decoders over one target and drafter (K 1..5), ten graphs (each Decoder's prefill and
+    fused round), all guarding on the same two models, where Dynamo allows 8 per code object: each
+    Decoder compiles its steps under code objects of its own."""
+    backend, head = CountingBackend(), drafter("tiny-llama-eagle3", target)
+    want = [t[:6] for t in greedy(target).tokens]
+    for k in range(1, 6):
+        dec = Decoder(target, head, k=k, max_batch=3, max_len=MAX_LEN, compile=backend, fused_round=True)
+        assert dec.generate(PROMPTS, 6).tokens == want, k
+    assert backend.graphs == 10
+
+
 class RewriteRecorder:
     """specpass's passes on every graph Dynamo compiles, as its backend runs them, recorded; the graph
     then runs as traced."""
