@@ -637,10 +637,10 @@ def _compiler(compile: str | Callable, mode: str | None,
 
 
 def _own_code(fn: Callable, name: str) -> Callable:
-    """fn called from a function whose code object is its own. Dynamo keeps compiled graphs per
-    code object, up to its recompile limit (8), and torch.compile calls every functools.partial
-    through one shared function (torch._dynamo.external_utils.wrap_inline's `inner`): the steps
-    of every Decoder would share one cache."""
+    """fn called from a function whose code object is its own. torch.compile calls every
+    functools.partial through one shared function (torch._dynamo.external_utils.wrap_inline's
+    `inner`), and Dynamo keeps at most 8 graphs per code object that guard on the same models: the
+    steps of all Decoders over one pair would share that room, and the rest run uncompiled."""
 
     def step(*args: Any) -> Any:
         return fn(*args)
