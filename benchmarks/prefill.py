@@ -176,9 +176,9 @@ def table(result: dict) -> str:
         base = eager.get(r["bs"])
         ratio = f"{base['ttft_ms'] / r['ttft_ms']:.2f}x" if base else "-"
         mem = lambda k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
-        lines.append(f"| {r['bs']} | {r['prompt']} | {r['variant']} | {r['ttft_ms']:.1f} | {ratio} | {mem('peak_gb')} | "
-                     f"{mem('added_gb')} | {r['first_call_ms'] / 1e3:.1f} | {r['other_length_graphs']} | "
-                     f"{r.get('same_first', 1.0):.2f} |")
+        lines.append(f"| {r['bs']} | {r['prompt']} | {r['variant']} | {r['ttft_ms']:.1f} | {ratio} | "
+                     f"{mem('peak_gb')} | {mem('added_gb')} | {r['first_call_ms'] / 1e3:.1f} | "
+                     f"{r['other_length_graphs']} | {r.get('same_first', 1.0):.2f} |")
     return "\n".join(lines)
 
 

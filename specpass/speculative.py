@@ -24,10 +24,11 @@ forward over y_0..y_K and K-1 slots of its own that makes the next round's d_1..
 The four are pure functions of device tensors with static shapes (`draft`, `verify`, `accept`,
 `catch_up`), and `decode_round` composes them. `Decoder` is the driver: it binds the models,
 compiles the steps — one graph each, or the whole round as one graph, from the same functions —
-and the prefill (one graph for every prompt length, `prefill_step`), prefills, and loops. KV caches are addressed by position (rejected slots are masked, then
-overwritten; nothing is copied), finished requests keep running in the batch and emit nothing,
-and the only host sync per round reads one flag, all done? (on a GPU the previous round's, so the
-device never waits for the host). See docs/loop.md.
+and the prefill (`prefill_step`, one graph for every prompt length), prefills, and loops. KV
+caches are addressed by position (rejected slots are masked, then overwritten; nothing is
+copied), finished requests keep running in the batch and emit nothing, and the only host sync per
+round reads one flag, all done? (on a GPU the previous round's, so the device never waits for the
+host). See docs/loop.md.
 
 specpass does not import the model zoo: a target and a drafter are anything with the methods of
 `Target` and `Drafter` below (the zoo's adapters are in models/drafters.py).
