@@ -440,13 +440,15 @@ class Decoder:
 
     compile: "specpass" (default), "inductor", "eager" (no torch.compile), or a backend callable
       (e.g. `specpass.backend(handoff="eager")`). Every step is compiled with static shapes; the
-      prefill (`prefill_step`) once, with the prompt length symbolic.
+      prefill (`prefill_step`) once, with the prompt length symbolic, in the default mode.
     mode: torch.compile's mode; "reduce-overhead" gives CUDA graphs (one per compiled graph).
     fused_round: compile the whole round as one graph (one CUDA graph replay per round) instead
       of one graph per step (draft, verify, accept, catch-up).
     greedy_drafts: when sampling, draft the arg-max (q one-hot, vLLM's default) instead of drawing
       drafts from the draft's distribution; the output distribution is the same either way.
     max_batch, max_len: the static cache shapes; `generate` pads the batch with idle rows.
+    `dec.prefill_step(tokens, lengths, params)`: `prefill_step` bound to the models and compiled,
+    what `generate` runs through `prefill` (benchmarks/prefill.py times it).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int = 4, max_batch: int,
