@@ -204,8 +204,8 @@ class Bench:
         time does not depend on them, its shapes are static), then rounds replayed as `generate` runs
         them; the loop's clock over `long - short` rounds after `short`, median of repeats."""
         bs, prompt = len(prompts), len(prompts[0])
-        state, carry = prefill(dec.target, dec.drafter, dec.k, False, [p[:1] for p in prompts], [long] * bs,
-                               [-1] * bs, None, bs, dec.max_len)  # after `long` tokens a request runs frozen
+        state, carry = prefill(dec.prefill_step, [p[:1] for p in prompts], [long] * bs, [-1] * bs, None, dec.k, bs,
+                               dec.max_len, dec.device)  # after `long` tokens a request runs frozen
         state = state._replace(pos=state.pos + prompt - 1)
 
         def rounds(n):

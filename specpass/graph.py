@@ -9,6 +9,7 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -151,7 +152,7 @@ def _emit_after_inputs(graph: fx.Graph, target: Any, args: tuple) -> fx.Node:
 def set_val(node: fx.Node) -> None:
     """Compute a call_function node's meta["val"] from its arguments' fake values."""
     fake_args, fake_kwargs = fx.node.map_arg((node.args, node.kwargs), val)
-    with fake_mode(node.graph):
+    with fake_mode(node.graph), enable_python_dispatcher():  # as propagate_fake_tensors
         node.meta["val"] = node.target(*fake_args, **fake_kwargs)
 
 

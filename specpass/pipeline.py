@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -106,7 +107,10 @@ def propagate_fake_tensors(gm: fx.GraphModule) -> None:
     mode = detect_fake_mode(inputs)
     if mode is None:
         raise RuntimeError("placeholders carry no fake tensors; is this graph from specpass.capture?")
-    _ConstantsAsFake(gm, mode).propagate_dont_convert_inputs(*inputs)
+    # Fake ops run as Dynamo and make_fx run them: without the Python dispatcher, torch 2.11's
+    # aten.linear kernel reads numel() of symbolic sizes, and fails.
+    with enable_python_dispatcher():
+        _ConstantsAsFake(gm, mode).propagate_dont_convert_inputs(*inputs)
 
 
 class _ConstantsAsFake(FakeTensorProp):

@@ -25,10 +25,11 @@ forward over y_0..y_K and K-1 slots of its own that makes the next round's d_1..
 The four are pure functions of device tensors with static shapes (`draft`, `verify`, `accept`,
 `catch_up`), and `decode_round` composes them. `Decoder` is the driver: it binds the models,
 compiles the steps — one graph each, or the whole round as one graph, from the same functions —
-prefills, and loops. KV caches are addressed by position (rejected slots are masked, then
-overwritten; nothing is copied), finished requests keep running in the batch and emit nothing,
-and the only host sync per round reads one flag, all done? (on a GPU the previous round's, so the
-device never waits for the host). See docs/loop.md.
+and the prefill (`prefill_step`, one graph for every prompt length), prefills, and loops. KV
+caches are addressed by position (rejected slots are masked, then overwritten; nothing is
+copied), finished requests keep running in the batch and emit nothing, and the only host sync per
+round reads one flag, all done? (on a GPU the previous round's, so the device never waits for the
+host). See docs/loop.md.
 
 specpass does not import the model zoo: a target and a drafter are anything with the methods of
 `Target` and `Drafter` below (the zoo's adapters are in models/drafters.py).
@@ -347,51 +348,63 @@ def decode_round(steps: Steps, state: State, carry: Carry,
     return state, carry, finished
 
 
-@torch.no_grad()
-def prefill(target: Target, drafter: Drafter | None, k: int, sampled: bool, prompts: Sequence[Sequence[int]],
-            limits: list[int], eos: list[int], params: Params | None, max_batch: int,
-            max_len: int) -> tuple[State, Carry]:
-    """Right-padded prompts through the target (and the drafter); emits each request's first token.
+def prefill_step(target: Target, drafter: Drafter | None, k: int, sampled: bool, tokens: Tensor, lengths: Tensor,
+                 params: Params | None) -> tuple[Tensor, Carry]:
+    """Right-padded prompts tokens [B, P+1] (column P is room for x_n) of lengths [B] through the
+    target, then the drafter -> (x_n [B], the first token of each request, at position n = length;
+    the carry of the first round).
 
-    Runs once per generate, uncompiled (its shapes depend on the prompts).
+    Traceable with P symbolic: `Decoder` compiles it once for every prompt length. Only row
+    length - 1 of the target's logits is read, and only the drafter's live rows: the graph
+    specpass's live-row pass rewrites (the lm_heads then run on one row per request).
     """
-    B, P, dev = max_batch, max(len(p) for p in prompts), next(target.parameters()).device
-    idle = B - len(prompts)  # padding rows: a one-token prompt, no budget, done from the start
-    lengths = torch.tensor([len(p) for p in prompts] + [1] * idle, device=dev)
-    tokens = torch.zeros(B, P + 1, dtype=torch.long, device=dev)  # [B, P+1]: prompt, then x_n
-    tokens[: len(prompts), :P] = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], device=dev)
-    positions = torch.arange(P + 1, device=dev).expand(B, -1)
+    B, P = tokens.shape[0], tokens.shape[1] - 1
+    positions = torch.arange(P + 1, device=tokens.device).expand(B, -1)  # [B, P+1]
     kind = drafter.hidden_kind if drafter is not None else None
     if kind is None:
         logits, hidden = target(tokens[:, :P], positions[:, :P]), None
     else:
         logits, hidden = target.forward_with_hidden(tokens[:, :P], positions[:, :P], kind)
-    last = logits[torch.arange(B, device=dev), lengths - 1]  # [B, V]
+    last = logits[torch.arange(B, device=tokens.device), lengths - 1]  # [B, V]
     if params is None:
-        first = last.argmax(-1)  # x_n, at position n = length
+        first = last.argmax(-1)
     else:
         first = draw(last, params, key(params.seed, lengths, TARGET), floor_of(last, params))
-    tokens.scatter_(1, lengths[:, None], first[:, None])
+    if drafter is None:
+        return first, Carry(None, None, None)
+    tokens = tokens.scatter(1, lengths[:, None], first[:, None])
+    # A drafter that reads target states starts at position 1: row t pairs the token at t+1
+    # with the target's state at t. A standalone one reads the prompt from position 0.
+    o = 0 if kind is None else 1
+    if hasattr(drafter, "draft_parallel"):
+        return first, Carry(*draft_parallel(drafter, k, sampled, tokens[:, o:], positions[:, o:], hidden, lengths - o,
+                                            params), None)
+    logits, h = drafter.catch_up(tokens[:, o:], positions[:, o:], hidden, lengths - o)
+    return first, Carry(*propose(drafter, sampled, logits, params, lengths + 1), h)
 
-    carry = Carry(None, None, None)
-    if drafter is not None:
-        # A drafter that reads target states starts at position 1: row t pairs the token at t+1
-        # with the target's state at t. A standalone one reads the prompt from position 0.
-        o = 0 if kind is None else 1
-        if hasattr(drafter, "draft_parallel"):
-            carry = Carry(*draft_parallel(drafter, k, sampled, tokens[:, o:], positions[:, o:], hidden, lengths - o,
-                                          params), None)
-        else:
-            logits, h = drafter.catch_up(tokens[:, o:], positions[:, o:], hidden, lengths - o)
-            carry = Carry(*propose(drafter, sampled, logits, params, lengths + 1), h)
 
-    limit = torch.tensor(limits + [0] * idle, device=dev)
-    eos_t = torch.tensor(eos + [-1] * idle, device=dev)
-    out = torch.zeros(B, max_len, dtype=torch.long, device=dev)  # wider than any budget + K + 1
+@torch.no_grad()
+def prefill(step: Callable[..., tuple[Tensor, Carry]], prompts: Sequence[Sequence[int]], limits: list[int],
+            eos: list[int], params: Params | None, k: int, max_batch: int, max_len: int,
+            device: torch.device) -> tuple[State, Carry]:
+    """The prompts, right-padded into max_batch rows, through `step` (`prefill_step` bound to the
+    models, or its compiled form); emits each request's first token. -> the first round's state and carry."""
+    # Two rows or more: one would specialize the compiled prefill to a single row (Dynamo's size-1 rule).
+    B, P = max_batch, max(2, *(len(p) for p in prompts))
+    idle = B - len(prompts)  # padding rows: a one-token prompt, no budget, done from the start
+    lengths = torch.tensor([len(p) for p in prompts] + [1] * idle, device=device)
+    tokens = torch.zeros(B, P + 1, dtype=torch.long, device=device)  # [B, P+1]: prompt, then x_n
+    tokens[: len(prompts), :P] = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], device=device)
+    torch._dynamo.maybe_mark_dynamic(tokens, 1)  # one graph for every prompt length
+    first, carry = step(tokens, lengths, params)
+
+    limit = torch.tensor(limits + [0] * idle, device=device)
+    eos_t = torch.tensor(eos + [-1] * idle, device=device)
+    out = torch.zeros(B, max_len, dtype=torch.long, device=device)  # wider than any budget + K + 1
     out[:, 0] = first
     count = (limit > 0).long()
     state = State(last=first, pos=lengths, out=out, count=count, limit=limit, eos=eos_t,
-                  done=(count >= limit) | (first == eos_t), stats=torch.zeros(k + 1, dtype=torch.long, device=dev))
+                  done=(count >= limit) | (first == eos_t), stats=torch.zeros(k + 1, dtype=torch.long, device=device))
     return state, carry
 
 
@@ -443,13 +456,16 @@ class Decoder:
     """Decoding of `target`, greedy or sampled, speculative when `drafter` is given.
 
     compile: "specpass" (default), "inductor", "eager" (no torch.compile), or a backend callable
-      (e.g. `specpass.backend(handoff="eager")`). Every step is compiled with static shapes.
+      (e.g. `specpass.backend(handoff="eager")`). Every step is compiled with static shapes; the
+      prefill (`prefill_step`) once, with the prompt length symbolic, in the default mode.
     mode: torch.compile's mode; "reduce-overhead" gives CUDA graphs (one per compiled graph).
     fused_round: compile the whole round as one graph (one CUDA graph replay per round) instead
       of one graph per step (draft, verify, accept, catch-up).
     greedy_drafts: when sampling, draft the arg-max (q one-hot, vLLM's default) instead of drawing
       drafts from the draft's distribution; the output distribution is the same either way.
     max_batch, max_len: the static cache shapes; `generate` pads the batch with idle rows.
+    `dec.prefill_step(tokens, lengths, params)`: `prefill_step` bound to the models and compiled,
+    what `generate` runs through `prefill` (benchmarks/prefill.py times it).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int = 4, max_batch: int,
@@ -482,7 +498,7 @@ class Decoder:
         if drafter is not None:
             drafter.setup_caches(max_batch, max_len)
         self.vocab_size = self._probe()
-        self._wrap = _compiler(compile, mode)
+        self._wrap, self._wrap_prefill = _compiler(compile, mode), _compiler(compile, None, dynamic=None)
         self._bound: dict[int, tuple] = {}  # K -> its steps and compiled forms (`tune_k` switches K)
         self._bind(self.k)
 
@@ -500,13 +516,17 @@ class Decoder:
             if hasattr(drafter, "draft_parallel"):  # verify + one draft forward per round
                 steps = steps._replace(draft=carried, catch_up=functools.partial(parallel_catch_up, drafter, k, sampled))
             if self.fused_round:
-                compiled, run_round = None, wrap(functools.partial(decode_round, steps))
+                compiled, run_round = None, wrap(functools.partial(decode_round, steps), "decode_round")
             else:  # `carried` moves nothing: no graph
-                compiled = Steps(*(s if s is None or s is carried else wrap(s) for s in steps))
+                compiled = Steps(*(s if s is None or s is carried else wrap(s, name)
+                                   for name, s in zip(Steps._fields, steps)))
                 run_round = functools.partial(decode_round, compiled)
-            self._bound[k] = steps, compiled, run_round
+            # Prompt lengths vary: one graph with a symbolic length, no CUDA graphs (one would be
+            # recorded per length, for one call of large kernels per generate).
+            prefill = self._wrap_prefill(functools.partial(prefill_step, target, drafter, k, sampled), "prefill")
+            self._bound[k] = steps, compiled, run_round, prefill
         self.k = k
-        self.steps, self._steps, self._round = self._bound[k]
+        self.steps, self._steps, self._round, self.prefill_step = self._bound[k]
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
@@ -530,8 +550,8 @@ class Decoder:
         params = Params.make(B, self.max_batch, self.device, temperature, top_k, top_p, seed)  # None: greedy
         prompts = self._check(prompts, limits)
         start = self._clock()
-        state, carry = prefill(self.target, self.drafter, self.k, not self.greedy_drafts, prompts, limits, eos,
-                               params, self.max_batch, self.max_len)
+        state, carry = prefill(self.prefill_step, prompts, limits, eos, params, self.k, self.max_batch, self.max_len,
+                               self.device)
         prefill_end = self._clock()
 
         timer = _PhaseTimer(self.device) if timing and not self.fused_round else None
@@ -685,11 +705,28 @@ class Decoder:
         return checked
 
 
-def _compiler(compile: str | Callable, mode: str | None) -> Callable[[Callable], Callable]:
+def _compiler(compile: str | Callable, mode: str | None,
+              dynamic: bool | None = False) -> Callable[[Callable, str], Callable]:
+    """-> wrap(fn, name): fn compiled as one graph, under a code object of its own named `name`."""
     if compile == "eager":
-        return lambda fn: fn
+        return lambda fn, name: fn
     backend = specpass if compile == "specpass" else compile  # the module is a backend; "inductor"; a callable
-    return lambda fn: torch.compile(fn, backend=backend, mode=mode, fullgraph=True, dynamic=False)
+    return lambda fn, name: torch.compile(_own_code(fn, name), backend=backend, mode=mode, fullgraph=True,
+                                          dynamic=dynamic)
+
+
+def _own_code(fn: Callable, name: str) -> Callable:
+    """fn called from a function whose code object is its own. torch.compile calls every
+    functools.partial through one shared function (torch._dynamo.external_utils.wrap_inline's
+    `inner`), and Dynamo keeps at most 8 graphs per code object that guard on the same models: the
+    steps of all Decoders over one pair would share that room, and the rest run uncompiled."""
+
+    def step(*args: Any) -> Any:
+        return fn(*args)
+
+    step.__code__ = step.__code__.replace(co_name=name)  # a new code object
+    step.__name__ = step.__qualname__ = name
+    return step
 
 
 def _is_int(value: Any) -> bool:

@@ -102,7 +102,7 @@ def test_compiled_apart_and_fused_match_eager(target):
     ref, k = greedy(target, eos_id=7), 3
     want = decode(target, peagle(), k, eos_id=7)
     assert want.tokens == ref.tokens
-    for fused, graphs in ((False, 3), (True, 1)):  # verify, accept, draft forward; or the whole round
+    for fused, graphs in ((False, 4), (True, 2)):  # prefill; verify, accept, draft forward or the whole round
         backend = CountingBackend()
         out = decode(target, peagle(), k, compile=backend, fused_round=fused, eos_id=7)
         assert out.tokens == ref.tokens

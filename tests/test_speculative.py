@@ -16,6 +16,7 @@ import torch
 
 import specpass
 from models import zoo
+from specpass.capture import to_aten_ir
 from models.checkpoint import save
 from models.drafters import ZooDrafter
 from specpass.speculative import Decoder, choose_k, expected_accept_length, first_true
@@ -23,6 +24,7 @@ from specpass.speculative import Decoder, choose_k, expected_accept_length, firs
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
 NEW = 24
+aten = torch.ops.aten
 MAX_LEN = 9 + NEW + 2 * 5 + 1
 DRAFTS = ["tiny-llama-eagle3", "tiny-deepseek-eagle3-mla", "tiny-deepseek-nextn", "tiny-qwen3.5-nextn",
           "tiny-qwen3.5-moe-nextn", "tiny-llama-draft", "noisy-copy"]
@@ -190,13 +192,68 @@ def test_compiled_and_fused_round_match_eager(target, name):
     k = 3
     want = speculate(target, name, k, eos_id=7)
     assert want.tokens == ref.tokens
-    for fused, graphs in ((False, 4), (True, 1)):
+    for fused, graphs in ((False, 5), (True, 2)):
         backend = CountingBackend()
         out = speculate(target, name, k, compile=backend, fused_round=fused, eos_id=7)
         assert out.tokens == ref.tokens
         assert (out.metrics.accept_length, out.metrics.acceptance) == (want.metrics.accept_length,
                                                                         want.metrics.acceptance)
-        assert backend.graphs == graphs  # draft, verify, accept, catch-up; or the whole round
+        assert backend.graphs == graphs  # prefill; draft, verify, accept, catch-up or the whole round
+
+
+@pytest.mark.parametrize("name", ["tiny-llama-eagle3", "tiny-llama-draft", "noisy-copy"])
+def test_prefill_compiles_once_for_every_prompt_length(target, name):
+    backend = CountingBackend()
+    dec = Decoder(target, drafter(name, target), k=3, max_batch=3, max_len=MAX_LEN, compile=backend)
+    lengths = [(1, 1, 1), (4, 2, 1), (9, 3, 7), (13, 13, 2)]  # the longest prompt sets the padded length
+    for n in lengths:
+        prompts = [list(range(3 + j, 3 + j + i)) for j, i in enumerate(n)]
+        want = greedy(target, prompts, new=12)
+        assert dec.generate(prompts, 12).tokens == want.tokens, n
+        assert backend.graphs == 5, n  # the first generate compiled the prefill and 4 steps; no length recompiles
+
+
+def test_decoders_over_one_pair_keep_their_own_compile_caches(target):
+    """Five Decoders over one target and drafter (K 1..5), ten graphs (each Decoder's prefill and
+    fused round), all guarding on the same two models, where Dynamo allows 8 per code object: each
+    Decoder compiles its steps under code objects of its own."""
+    backend, head = CountingBackend(), drafter("tiny-llama-eagle3", target)
+    want = [t[:6] for t in greedy(target).tokens]
+    for k in range(1, 6):
+        dec = Decoder(target, head, k=k, max_batch=3, max_len=MAX_LEN, compile=backend, fused_round=True)
+        assert dec.generate(PROMPTS, 6).tokens == want, k
+    assert backend.graphs == 10
+
+
+class RewriteRecorder:
+    """specpass's passes on every graph Dynamo compiles, as its backend runs them, recorded; the graph
+    then runs as traced."""
+
+    def __init__(self):
+        self.results = []
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.results.append(specpass.rewrite(to_aten_ir(gm, example_inputs)))
+        return gm
+
+
+def test_prefill_lm_heads_run_on_the_live_rows_only(target):
+    """The target's logits are read at each request's last prompt row, the EAGLE-3 drafter's at its
+    live row: in the compiled prefill (the prompt length symbolic) both lm_heads run on B rows."""
+    head = drafter("tiny-llama-eagle3", target)
+    recorder = RewriteRecorder()
+    dec = Decoder(target, head, k=3, max_batch=3, max_len=MAX_LEN, compile=recorder)
+    assert dec.generate(PROMPTS, 4).tokens == [t[:4] for t in greedy(target).tokens]
+    result = recorder.results[0]  # the prefill's graph, compiled first
+    vocabularies = [target.config.vocab_size, head.model.config.draft_vocab_size]
+    lm_heads = [n.meta["val"].shape for n in result.graph_module.graph.find_nodes(
+        op="call_function", target=aten.linear.default) if n.meta["val"].shape[-1] in vocabularies]
+    assert [(shape.numel() // shape[-1], shape[-1]) for shape in lm_heads] == [(3, V) for V in vocabularies], \
+        str(result.report)
+    live = [f for f in result.report.of("live_rows") if f.fired]
+    assert len(live) == 2, str(result.report)
+    for finding in live:  # B * P rows (symbolic: every prompt length) -> B
+        assert not isinstance(finding.rows[0], int) and finding.rows[1] == 3, str(result.report)
 
 
 def run_example(*args):
