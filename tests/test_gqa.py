@@ -312,3 +312,25 @@ def test_transformers_llama_through_generate():
     assert torch.equal(out.sequences, model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
     fired = [line for line in out.rewrites["verify"] if line.startswith("[gqa] rewrote")]
     assert len(fired) == 3, out.rewrites["verify"]
+
+
+def test_after_the_live_row_gather():
+    """A grouped-query catch-up step: the live-row gather still lands before attention (its query
+    rows), and the attention it left reads the un-repeated cache; the step equals eager."""
+    from models.toy import ToyDraft
+
+    torch.manual_seed(0)
+    model = ToyDraft(kv_heads=2).eval()
+    tokens, positions = torch.randint(0, 64, (2, 4)), torch.arange(4)
+    result = specpass.rewrite(specpass.capture(model, tokens, positions))
+    (rows,) = [f for f in result.report.of("live_rows") if f.rows is not None]  # the row gather's verdict
+    (grouped,) = result.report.of("gqa")
+    assert rows.fired and rows.rows == (8, 2) and grouped.fired, str(result.report)
+    (attention,) = [n for n in result.graph_module.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert attention.kwargs["enable_gqa"] and attention.meta["val"].shape == (2, 4, 1, 8)  # 1 query row
+    with torch.no_grad():
+        want, want_cache = model(tokens, positions), model.k_cache.clone()
+        model.k_cache.zero_(), model.v_cache.zero_()
+        got = compiled(model, tokens, positions)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # matmuls over fewer rows round otherwise
+    assert torch.equal(model.k_cache, want_cache)
