@@ -166,15 +166,23 @@ def test_numerics_equal_the_repeated_attention(dtype, masking, t):
     assert torch.equal(compiled(fn, q, k, v), fn(q, k, v))
 
 
-def test_symbolic_sizes():
+def _grouped_by_sizes(x, q):
+    return x.repeat_interleave(q.shape[1] // x.shape[1], 1)  # g from the sizes: symbolic with dynamic=True
+
+
+@pytest.mark.parametrize("repeat", [lambda x, q: repeat_kv(x), _grouped_by_sizes], ids=["repeat_kv", "sizes"])
+def test_symbolic_sizes(repeat):
     q, k, v, mask = inputs()
 
     def fn(q, k, v, mask):
-        return F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
+        return F.scaled_dot_product_attention(q, repeat(k, q), repeat(v, q), attn_mask=mask)
 
     result = specpass.rewrite(specpass.capture(fn, q, k, v, mask, dynamic=True))
     assert [f.fired for f in result.report.of("gqa")] == [True], str(result.report)
     assert result.report.errors == []
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend=specpass.backend(handoff="eager"), dynamic=True)(q, k, v, mask)
+    assert torch.equal(got, fn(q, k, v, mask))
 
 
 class TestRefusals(expecttest.TestCase):
@@ -326,7 +334,8 @@ def test_after_the_live_row_gather():
     (rows,) = [f for f in result.report.of("live_rows") if f.rows is not None]  # the row gather's verdict
     (grouped,) = result.report.of("gqa")
     assert rows.fired and rows.rows == (8, 2) and grouped.fired, str(result.report)
-    (attention,) = [n for n in result.graph_module.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    (attention,) = result.graph_module.graph.find_nodes(op="call_function",
+                                                        target=torch.ops.aten.scaled_dot_product_attention.default)
     assert attention.kwargs["enable_gqa"] and attention.meta["val"].shape == (2, 4, 1, 8)  # 1 query row
     with torch.no_grad():
         want, want_cache = model(tokens, positions), model.k_cache.clone()

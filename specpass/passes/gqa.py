@@ -43,9 +43,11 @@ is_causal, a non-contiguous q and V, an explicit scale; also through Inductor. O
 kernel is chosen per call; where the repeated and the grouped call get different kernels, the
 results differ by those kernels' rounding, as SDPA's own backend choice does.
 
-Order: after live_rows. The Q-slice gathers query and mask rows of an attention whose K/V are
-read whole; run first, this pass would leave an attention over K/V with fewer heads than its
-query, which the live-row rules read head by head.
+Order: after live_rows, so the live-row gather moves as far as it does without this pass, and
+this pass rewrites the attention the gather left (Q-sliced or not). A gather of token rows moves
+the same in either order (query and mask rows; K/V are read whole). A gather of heads
+(`out[:, 2:4]`) moves through the repeat into k while K' is a same-head copy; on the grouped call
+the live-row rules would stop at attention (k has fewer heads than its output).
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
-from specpass.graph import (bind, is_mutation, is_written_in_place, known, op_name, same_shape, set_val, storage,
-                            to_the_end, val, written_storages)
+from specpass.graph import (bind, is_mutation, is_written_in_place, known, op_name, same_shape, set_val, storage, val,
+                            written_storages)
 from specpass.options import Options
 from specpass.passes.row_rules import RESHAPES, SAME_VALUES
 from specpass.report import Finding
@@ -146,7 +148,8 @@ def _rewrite(node: fx.Node, args: dict[str, Any], k: _Repeat, v: _Repeat) -> str
 def _groups(r: _Repeat, head: int, name: str) -> tuple[Any, Any]:
     """(kv heads, group size) where r.value is a head repeat of r.source in interleave order."""
     if not r.repeats:
-        raise _Refuse(f"{name} ({r.value.name}) is not a repeat, the other is: K and V would have different head counts")
+        raise _Refuse(f"{name} ({r.value.name}) is not a repeat, the other is: "
+                      "K and V would have different head counts")
     src = val(r.source).shape
     if len(src) != len(r.parts):
         raise _Refuse(f"{name} ({r.value.name}) is not of the rank of what it repeats ({r.source.name})")
@@ -233,13 +236,9 @@ def _apply(node: fx.Node, parts: Parts) -> Parts | None:
     args = bind(node)
     if node.target in RESHAPES:
         return _regroup(parts, out.shape)
-    if node.target in SAME_VALUES or node.target is aten.slice.Tensor:
-        if out.dtype != src.dtype or out.device != src.device or not same_shape(out.shape, src.shape):
-            return None
-        if node.target is aten.slice.Tensor and not (args["start"] in (None, 0) and args["step"] == 1
-                                                      and (to_the_end(args["end"]) or known(args["end"] >= src.shape[args["dim"]]))):
-            return None
-        return parts
+    if node.target in SAME_VALUES or node.target is aten.slice.Tensor:  # a slice of its input's shape is all of it
+        same = out.dtype == src.dtype and out.device == src.device and same_shape(out.shape, src.shape)
+        return parts if same else None
     if node.target is aten.expand.default:
         lead = out.dim() - src.dim()
         new = [[_Part(None, s)] for s in out.shape[:lead]]
@@ -252,7 +251,7 @@ def _apply(node: fx.Node, parts: Parts) -> Parts | None:
                 return None
         return _normal(new)
     if node.target is aten.repeat.default:  # tile: out[i] = in[i % n]
-        reps = args["repeats"]
+        reps = [val(r) for r in args["repeats"]]  # sizes: SymInts where a node computes them
         lead = len(reps) - src.dim()
         new = [[_Part(None, r)] for r in reps[:lead]]
         new += [[_Part(None, r), *p] for p, r in zip(parts, reps[lead:])]
@@ -261,7 +260,7 @@ def _apply(node: fx.Node, parts: Parts) -> Parts | None:
         if args["dim"] is None:
             return None
         d = args["dim"] % src.dim()
-        return _normal([[*p, _Part(None, args["repeats"])] if i == d else p for i, p in enumerate(parts)])
+        return _normal([[*p, _Part(None, val(args["repeats"]))] if i == d else p for i, p in enumerate(parts)])
     n = len(args["tensors"])
     if node.target is aten.stack.default:
         d = args["dim"] % out.dim()
