@@ -153,9 +153,10 @@ def test_spelling_fires_and_matches_bit_for_bit(spelling):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masking", list(MASKS))
 @pytest.mark.parametrize("t", [1, 3, 8])
-def test_numerics_equal_the_repeated_attention(dtype, masking, t):
+@pytest.mark.parametrize("s", [37, 257])
+def test_numerics_equal_the_repeated_attention(dtype, masking, t, s):
     """Bit for bit on CPU: both calls run the same kernel, which takes GQA natively."""
-    q, k, v, mask = inputs(dtype, t=t, s=37, seed=t)
+    q, k, v, mask = inputs(dtype, t=t, s=s, seed=t)
     kwargs = MASKS[masking](mask, dtype)
 
     def fn(q, k, v):
@@ -183,6 +184,19 @@ def test_symbolic_sizes(repeat):
     torch._dynamo.reset()
     got = torch.compile(fn, backend=specpass.backend(handoff="eager"), dynamic=True)(q, k, v, mask)
     assert torch.equal(got, fn(q, k, v, mask))
+
+
+def test_exported_and_decomposed():
+    """torch.export's decomposed reshape of the expanded copy (clone + _unsafe_view) is the same repeat."""
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
+
+    args = inputs()
+    program = specpass.export(torch.export.export(Attention(), args).run_decompositions({}))
+    assert [f.fired for f in program.specpass_report.of("gqa")] == [True], str(program.specpass_report)
+    assert "clone, _unsafe_view" in program.specpass_report.of("gqa")[0].message
+    assert torch.equal(program.module()(*args), Attention()(*args))
 
 
 class TestRefusals(expecttest.TestCase):
