@@ -30,18 +30,19 @@ the copy was taken.
 Left alone, with the reason in the finding: a repeat along another axis than the heads, a repeat
 in tile order (`k.repeat(1, g, 1, 1)`, `cat([k] * g, 1)`: query head j would read kv head
 j % hk, not j // g), only one of K and V repeated or different head counts, a repeated K written
-in place (or k written before the attention reads it), dropout_p != 0 (the kernels draw their
-masks differently), enable_gqa already set, and a torch whose SDPA has no enable_gqa. A scale=
+in place (or k written before the attention reads it), dropout_p != 0 (random draws not proven
+the same), enable_gqa already set, and a torch whose SDPA has no enable_gqa. A scale=
 argument is kept as given: GQA changes which kv head a query head reads, not the head dim the
 default scale comes from. A repeat with other users (a returned K') stays for them.
 
 Numerics. On CPU (torch 2.13) both spellings run the same kernel
 (`_scaled_dot_product_flash_attention_for_cpu`, which takes GQA natively) and are bit-identical:
-1,161 cases over fp32 / bf16 / fp16 (and fp64), head dims 16 / 64 / 128, (hk, g) in (2, 2),
-(4, 2), (1, 6), T 1..8, S 1..300, masks None / bool / bool per head / additive float /
-is_causal, a non-contiguous q and V, an explicit scale; also through Inductor. On CUDA the
-kernel is chosen per call; where the repeated and the grouped call get different kernels, the
-results differ by those kernels' rounding, as SDPA's own backend choice does.
+2,121 cases over fp32 / bf16 / fp16, head dims 16 / 64 / 128, (hk, g) in (2, 2), (2, 3),
+(4, 2), (1, 4), (1, 6), T 1..8, S 1..300, masks None / bool / bool per head / additive float /
+is_causal, a non-contiguous q and V, an explicit scale; fp64 and a value head dim unlike the
+key's; and through Inductor. On CUDA the kernel is chosen per call; where the repeated and the
+grouped call get different kernels, the results differ by those kernels' rounding, as SDPA's
+own backend choice makes them differ.
 
 Order: after live_rows, so the live-row gather moves as far as it does without this pass, and
 this pass rewrites the attention the gather left (Q-sliced or not). A gather of token rows moves
@@ -119,15 +120,14 @@ def _rewrite(node: fx.Node, args: dict[str, Any], k: _Repeat, v: _Repeat) -> str
     if args["enable_gqa"] is not False:
         raise _Refuse("enable_gqa is already set")
     if not (isinstance(args["dropout_p"], (int, float)) and args["dropout_p"] == 0):
-        raise _Refuse(f"dropout_p={args['dropout_p']!r}: the repeated and the grouped kernels draw "
-                      "their dropout masks differently")
+        raise _Refuse(f"dropout_p={args['dropout_p']!r}: attention draws random numbers, and nothing "
+                      "shows the grouped call draws the same ones")
     q = val(args["query"])
     rank = q.dim()
     if rank < 3 or val(k.value).dim() != rank or val(v.value).dim() != rank:
         raise _Refuse("query, key and value are not of one rank >= 3")
     head = rank - 3
-    groups = [_groups(r, head, name) for r, name in ((k, "K"), (v, "V"))]
-    (hk, g), (hv, gv) = groups
+    (hk, g), (hv, gv) = _groups(k, head, "K"), _groups(v, head, "V")
     if not (known(hk == hv) and known(g == gv)):
         raise _Refuse(f"K repeats {hk} heads {g} times, V {hv} heads {gv} times: one head count for both")
     if not known(q.shape[head] == hk * g):
