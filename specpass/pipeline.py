@@ -25,7 +25,7 @@ from specpass.capture import capture
 from specpass.graph import (SCALAR_READS, is_impure, is_mutation, make_local_writes_functional, same_shape, storage,
                             written_storages)
 from specpass.options import Options
-from specpass.passes import argmax, live_rows
+from specpass.passes import argmax, gqa, live_rows
 from specpass.report import Finding, Report, graph_matmul_flops
 
 Pass = Callable[[fx.GraphModule, Options], list[Finding]]
@@ -34,6 +34,7 @@ Pass = Callable[[fx.GraphModule, Options], list[Finding]]
 PASSES: list[tuple[str, Pass]] = [
     ("argmax", argmax.run),
     ("live_rows", live_rows.run),
+    ("gqa", gqa.run),  # after live_rows: its Q-slice reads attention head by head (gqa.py)
 ]
 
 

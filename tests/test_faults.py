@@ -21,9 +21,9 @@ backend_module = sys.modules["specpass.backend"]  # `specpass.backend` is the fu
 
 
 def _step():
-    """The toy draft with a greedy tail: both passes fire on it."""
+    """The toy draft, grouped-query, with a greedy tail: every pass fires on it."""
     torch.manual_seed(0)
-    model = ToyDraft().eval()
+    model = ToyDraft(kv_heads=2).eval()
 
     def step(tokens, positions):
         return torch.softmax(model(tokens, positions), -1).max(-1)
