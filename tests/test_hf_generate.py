@@ -131,7 +131,9 @@ def test_compiled_catch_up_gets_the_live_row_rewrite():
     assert torch.equal(out.sequences, reference(model, IDS, MASK))
     assert any(line.startswith("[live_rows] rewrote") for line in out.rewrites["catch_up"]), out.rewrites
     assert any(line.startswith("[argmax] rewrote") for line in out.rewrites["draft"]), out.rewrites
-    assert set(out.rewrites) == {"draft", "verify", "accept", "catch_up"}
+    # the prefill, compiled with the prompt length symbolic: lm_heads on each request's live row
+    assert any(line.startswith("[live_rows] rewrote") for line in out.rewrites["prefill"]), out.rewrites
+    assert set(out.rewrites) == {"prefill", "draft", "verify", "accept", "catch_up"}
 
 
 def test_import_specpass_does_not_import_transformers():

@@ -36,7 +36,7 @@ class GenerateOutput:
 
     sequences: Tensor  # [B, P + N] prompt + new tokens, padded
     metrics: Metrics  # accepted length, acceptance per draft position, tokens/s, ms per round
-    rewrites: dict[str, list[str]]  # per compiled step (draft, verify, accept, catch_up): what specpass rewrote
+    rewrites: dict[str, list[str]]  # per compiled step (prefill, draft, verify, accept, catch_up): what specpass rewrote
 
 
 KEEP = 4  # compiled Decoders kept for reuse: one per (models, K, batch size, cache length, compile options)
