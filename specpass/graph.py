@@ -225,8 +225,10 @@ def is_written_in_place(node: fx.Node) -> bool:
 # An in-place op on a tensor the graph made itself, which no view shares, is only a way of
 # naming a new value: `h.add_(w)` is `h2 = h + w` with every later read of h reading h2. Made
 # functional, it is an op the row rules know; written in place, every pass must keep it on
-# every row. Writes to the graph's inputs (KV caches) and to views stay in place: their order
-# against reads is semantics.
+# every row. A view taken after the last write sees no write (`top /= s; top.reshape(-1)`): it
+# is a view of the last value. Writes to the graph's inputs (KV caches), to views, and to a
+# tensor a view of which was taken before a write stay in place: their order against reads is
+# semantics.
 
 
 def functional_variant(node: fx.Node) -> Any:
@@ -252,10 +254,10 @@ def make_local_writes_functional(gm: fx.GraphModule) -> None:
         s = storage(n)
         if s is not None:
             holders.setdefault(s, []).append(n)
-    for base, *writes in holders.values():
-        if base.op != "call_function" or is_mutation(base) or not writes \
-                or not all(_local_write(w, [base, *writes][:i + 1]) for i, w in enumerate(writes)):
-            continue  # an input, a view, or a write that is not one of base's own
+    for base, *later in holders.values():
+        writes = _own_writes(base, later)
+        if writes is None:
+            continue  # an input, a view, a write that is not one of base's own, a view taken before one
         values = _functional_values(graph, base, writes)
         if values is None:
             continue
@@ -288,6 +290,18 @@ def _functional_values(graph: fx.Graph, base: fx.Node, writes: list[fx.Node]) ->
     for new in reversed(values[1:]):
         graph.erase_node(new)
     return None
+
+
+def _own_writes(base: fx.Node, later: list[fx.Node]) -> list[fx.Node] | None:
+    """The in-place writes of the tensor `base` made, where the nodes after it in its storage
+    (`later`) are these writes, each of base or of the write before it, then only views taken
+    after the last one; else None."""
+    if base.op != "call_function" or is_mutation(base):
+        return None
+    writes = later[:1 + max((i for i, n in enumerate(later) if is_mutation(n)), default=-1)]
+    if not writes or not all(_local_write(w, [base, *writes][:i + 1]) for i, w in enumerate(writes)):
+        return None
+    return writes
 
 
 def _local_write(node: fx.Node, before: list[fx.Node]) -> bool:

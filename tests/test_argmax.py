@@ -1,5 +1,7 @@
 """The arg-max pass: graph diffs for each form, refusals, numerics against eager, ties, a greedy loop."""
 
+import warnings
+
 import expecttest
 import pytest
 import torch
@@ -1033,3 +1035,82 @@ def test_folding_changes_no_index_on_near_ties(monkeypatch, form, dtype):
     assert "folding" in "".join(findings(rewrite(fn, x, *extra)[1]))
     assert torch.equal(folded[1], unfolded[1])
     assert not torch.equal(folded[1], x.argmax(-1))  # the quotient's rounding decides on some rows
+
+
+# --- an MoE router: softmax -> topk, the top values normalised in place (Mixtral, HunYuan-MoE)
+
+
+def router_divides(x):  # Mixtral: `top /= top.sum(...)`, then reshaped where the experts read it
+    top, experts = torch.softmax(x, -1, dtype=torch.float).topk(2, dim=-1)
+    top /= top.sum(dim=-1, keepdim=True)
+    return top.reshape(-1), experts.reshape(-1)
+
+
+def router_div_(x):  # `.div_`, then a cast to the dtype it has (HunYuan-MoE: an alias, not a copy)
+    top, experts = torch.topk(F.softmax(x, dim=1, dtype=torch.float), 2, dim=-1)
+    top.div_(top.sum(dim=-1, keepdim=True))
+    return top.to(x.dtype), experts
+
+
+ROUTERS = {"divides": router_divides, "div_": router_div_}
+EXPERT_LOGITS = torch.randn(12, 8, generator=torch.Generator().manual_seed(2))
+
+
+class TestRouterNormalisedInPlace(expecttest.TestCase):
+    def test_the_write_becomes_a_division_and_the_topk_is_rewritten(self):
+        """The write is on the topk's own values, and what reads them after it (a reshape, a cast
+        to their own dtype: views) is taken after it: the write is a new value, the pass is kept."""
+        _, result = rewrite(router_divides, EXPERT_LOGITS)
+        self.assertEqual(result.report.errors, [])
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+x: f32[12, 8]
+amax_default: f32[12, 1] = amax(x, [1], True)
+sub_tensor: f32[12, 8] = sub.Tensor(x, amax_default)
+exp_default: f32[12, 8] = exp(sub_tensor)
+sum_dim_int_list: f32[12, 1] = sum.dim_IntList(exp_default, [1], True)
+lt_scalar: b8[12, 1] = lt.Scalar(amax_default, inf)
+where_scalar_other: f32[12, 8] = where.ScalarOther(lt_scalar, x, nan)
+topk_default: (f32[12, 2], i64[12, 2]) = topk(where_scalar_other, 2, 1, True, True)
+getitem_2: i64[12, 2] = getitem(topk_default, 1)
+getitem_3: f32[12, 2] = getitem(topk_default, 0)
+sub_tensor_1: f32[12, 2] = sub.Tensor(getitem_3, amax_default)
+exp_default_1: f32[12, 2] = exp(sub_tensor_1)
+reciprocal_default: f32[12, 1] = reciprocal(sum_dim_int_list)
+mul_tensor: f32[12, 2] = mul.Tensor(exp_default_1, reciprocal_default)
+sum_1: f32[12, 1] = sum.dim_IntList(mul_tensor, [-1], True)
+div_tensor: f32[12, 2] = div.Tensor(mul_tensor, sum_1)
+reshape: f32[24] = reshape(div_tensor, [-1])
+reshape_1: i64[24] = reshape(getitem_2, [-1])
+return (reshape, reshape_1)""")
+        self.assertExpectedInline("\n".join(findings(result)), """[argmax] rewrote softmax -> topk: softmax -> topk along dim 1: indices = topk(x, 2); values = exp(top - max) / sum(exp(s - max))""")
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_router_matches_eager(router):
+    fn = ROUTERS[router]
+    _, result = rewrite(fn, EXPERT_LOGITS)
+    assert result.report.errors == [] and len(result.report.rewrites) == 1, str(result.report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", specpass.SpecpassWarning)  # a dropped pass warns
+        got = torch.compile(fn, backend=specpass.backend(handoff="eager"), dynamic=False)(EXPERT_LOGITS)
+    TestNumerics.check(got, fn(EXPERT_LOGITS))
+
+
+def test_router_values_read_through_an_earlier_view_are_left_alone():
+    """A view taken before the write sees it: the write stays in place, and the topk is left alone
+    with the reason (rewritten, the write would go to the new values), not the pass dropped: the
+    other softmax is still rewritten."""
+    def fn(x):
+        top, experts = torch.softmax(x, -1).topk(2, dim=-1)
+        flat = top.view(-1)
+        top /= top.sum(dim=-1, keepdim=True)
+        return flat, experts, torch.softmax(x * 2, -1).argmax(-1)
+
+    _, result = rewrite(fn, EXPERT_LOGITS)
+    assert result.report.errors == [], result.report.errors
+    found = findings(result)
+    assert len(found) == 2 and "rewrote softmax_1 -> argmax" in found[1], found
+    assert "left alone softmax -> topk" in found[0] and "written in place" in found[0], found
+    assert any(n.target is torch.ops.aten.div_.Tensor for n in result.graph_module.graph.nodes)
+    got = torch.compile(fn, backend=specpass.backend(handoff="eager"), dynamic=False)(EXPERT_LOGITS)
+    TestNumerics.check(got, fn(EXPERT_LOGITS))

@@ -66,3 +66,16 @@ def test_a_value_written_in_a_later_piece_feeds_a_kv_write():
     assert row["pieces"] == 2 and row["rewritten"] and row["ideal"], row
     unlinked = _what_the_passes_did(pieces, calls[1:])  # without the later call, nothing shows the write
     assert not unlinked["ideal"] and unlinked["stopped_in"] == 0, unlinked
+
+
+@pytest.mark.parametrize("model_type, class_name", [("mixtral", "MixtralForCausalLM"),
+                                                    ("hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM")])
+def test_a_router_normalised_in_place_keeps_every_pass(model_type, class_name):
+    """The router's `top /= top.sum(-1, keepdim=True)` on softmax -> topk's values, then read
+    through a reshape or a cast to their own dtype: a new value, so the arg-max pass rewrites
+    the topk (it used to retarget the write and be dropped). Not at the ideal: the live-row
+    gather stops at the sort-based expert dispatch (an index_put), and the router's division,
+    no longer a write, no longer exempts what feeds it from running on every row."""
+    row = sweep_one(model_type, class_name)
+    assert row["exact"] is True and row["rewritten"] and row["errors"] == [] and row["warnings"] == [], row
+    assert not row["ideal"] and "index_put" in row["stops"][0], row

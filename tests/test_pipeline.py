@@ -190,3 +190,23 @@ def test_writes_through_views_to_inputs_and_with_promotion_stay():
 
     result = _rewritten_and_checked(step, torch.randn(2, 5, 8))
     assert _in_place_ops(result.graph_module) == ["add_.Tensor", "index_copy_.default", "mul_.Tensor"]
+
+
+def test_a_view_taken_after_the_last_write_reads_the_new_value():
+    """`top /= s; top.reshape(-1)`: the view sees no write, so the write is a new value; a view
+    taken before a write sees it, and the write stays in place."""
+    def after(x):
+        h = x @ W
+        h.div_(h.sum(-1, keepdim=True))
+        h.add_(1.0)
+        return h.view(-1, 8)[-1:], h.to(torch.float32)[:, -1]  # to its own dtype: an alias
+
+    def before(x):
+        h = x @ W
+        flat = h.view(-1, 8)
+        h.add_(1.0)
+        return flat[-1:]
+
+    x = torch.randn(2, 5, 8)
+    assert _in_place_ops(_rewritten_and_checked(after, x).graph_module) == []
+    assert _in_place_ops(_rewritten_and_checked(before, x).graph_module) == ["add_.Tensor"]

@@ -159,6 +159,12 @@ def _rewrite_softmax(graph: fx.Graph, sm: fx.Node, options: Options) -> list[Fin
                 raise _Refuse(f"a copy of the softmax output between it and {consumer.name} is written in place")
             soft.check(consumer)
             values_out, indices_out = _outputs(consumer)
+            written = [n.name for n in values_out + indices_out if is_written_in_place(n)]
+            if written:  # a write the IR keeps (graph.make_local_writes_functional): rewritten, it would
+                # write the new nodes, another tensor
+                raise _Refuse(f"its result {written[0]} is written in place, and the write stays in place (a "
+                              "view of it is taken before the write, or the out-of-place op would change its "
+                              "dtype); an out-of-place update (v = v / s) can be rewritten")
         except _Refuse as why:
             found[consumer] = Finding(NAME, f"{sm.name} -> {consumer.name}", False, str(why))
             continue
