@@ -360,7 +360,7 @@ class _Builder:
 
         # Grouped: SDPA's enable_gqa, or K/V repeated to every query head; a repeat of the cache
         # taken before the write is a copy of the old rows (or, of one kv head, a view of the cache).
-        spelling = self.pick(native=2, repeat_kv=4, repeat_interleave=3, tile=1, cat=1) if groups > 1 else "native"
+        spelling = self.pick(native=2, repeat_kv=4, repeat_interleave=3, tile=2, cat=1) if groups > 1 else "native"
         early = spelling != "native" and self.pick(after_write=4, before_write=1) == "before_write"
         if early:
             keys = self.repeat_heads(keys, spelling, kv_heads, groups, key_len, head_dim)
