@@ -2,7 +2,8 @@
 
 `programs()` is a hypothesis strategy. Each example is a `Program`: the Python source of a small
 `torch.nn.Module` and its inputs, drawn from a grammar of draft steps (a KV write, attention,
-row-local chains, row-mixing ops, a row gather in one of its spellings, a sampling tail). The
+row-local chains, row-mixing ops, a row gather in one of its spellings, a sampling tail; fewer
+kv heads than query heads as enable_gqa or a head repeat of K/V, in interleave or tile order). The
 source *is* the spec: `build()` executes it, and `repr()` prints it as a script that compares
 specpass with eager, so a shrunk failure reads as a program to paste. Option lists name the
 simplest choice first, as hypothesis shrinks toward it.
@@ -312,8 +313,10 @@ class _Builder:
 
     def attention(self) -> None:
         B, n = self.B, self.n
-        heads = self.draw(st.sampled_from([1, 1, 1, 2, 2, 4]))
-        kv_heads = heads // 2 if heads > 1 and self.pick(no=1, yes=1) == "yes" else heads
+        heads = self.draw(st.sampled_from([1, 1, 1, 2, 2, 4, 6]))
+        groups = self.draw(st.sampled_from([g for g in (2, 3, 4) if heads % g == 0])) \
+            if heads > 1 and self.pick(no=1, yes=2) == "yes" else 1
+        kv_heads = heads // groups
         head_dim = self.integer(2, 4)
         layout = self.pick(bsd=3 if heads == 1 else 0, bhsd=2, bshd=1)
         slots = n + self.integer(0, 3)
@@ -344,6 +347,23 @@ class _Builder:
             positions = "pos"
         else:
             positions = f"torch.arange({start}, {start + n})"
+        from_cache = self.pick(cache=3, new_rows=1) == "cache"
+        if layout == "bsd":
+            keys = [f"self.{c.name}" for c in caches] if from_cache else ["k", "v"][:len(caches)]
+        else:
+            to_bhsd = ".transpose(1, 2)" if layout == "bshd" else ""
+            keys = [f"self.{c.name}{to_bhsd}" for c in caches] if from_cache else \
+                [f"{new}.view({B}, {n}, {kv_heads}, {head_dim}).transpose(1, 2)" for new in "kv"[:len(caches)]]
+        if len(keys) == 1:
+            keys.append(keys[0])
+        key_len, query_slots = (slots, positions) if from_cache else (n, f"torch.arange({n})")
+
+        # Grouped: SDPA's enable_gqa, or K/V repeated to every query head; a repeat of the cache
+        # taken before the write is a copy of the old rows (or, of one kv head, a view of the cache).
+        spelling = self.pick(native=2, repeat_kv=4, repeat_interleave=3, tile=2, cat=1) if groups > 1 else "native"
+        early = spelling != "native" and self.pick(after_write=4, before_write=1) == "before_write"
+        if early:
+            keys = self.repeat_heads(keys, spelling, kv_heads, groups, key_len, head_dim)
         for cache, new in zip(caches, "kv"):
             rows, axis, buf = heads_view.format(new), 2 if layout == "bhsd" else 1, f"self.{cache.name}"
             self.emit({
@@ -354,20 +374,13 @@ class _Builder:
                 "index_put_": f"{buf}.index_put_((torch.arange({B})[:, None], pos), {rows})",
             }[write])
 
-        from_cache = self.pick(cache=3, new_rows=1) == "cache"
+        if spelling != "native" and not early:
+            keys = self.repeat_heads(keys, spelling, kv_heads, groups, key_len, head_dim)
+
         q_dim = heads * head_dim
         q = f"F.linear({h}, {self.param(q_dim, self.F)})"
-        if layout == "bsd":
-            keys = [f"self.{c.name}" for c in caches] if from_cache else ["k", "v"][:len(caches)]
-        else:
+        if layout != "bsd":
             q = f"{q}.view({B}, {n}, {heads}, {head_dim}).transpose(1, 2)"
-            to_bhsd = ".transpose(1, 2)" if layout == "bshd" else ""
-            keys = [f"self.{c.name}{to_bhsd}" for c in caches] if from_cache else \
-                [f"{new}.view({B}, {n}, {kv_heads}, {head_dim}).transpose(1, 2)" for new in "kv"[:len(caches)]]
-        if len(keys) == 1:
-            keys.append(keys[0])
-        key_len, query_slots = (slots, positions) if from_cache else (n, f"torch.arange({n})")
-
         mask = self.pick(none=1, bool=2, float=1, bias=1, causal=1)
         extra = ""
         if mask == "bool":
@@ -379,7 +392,7 @@ class _Builder:
             self.emit(f"mask = {self.param(n, key_len)}")
         extra += ", attn_mask=mask" if mask in ("bool", "float", "bias") else ""
         extra += ", is_causal=True" if mask == "causal" else ""
-        extra += ", enable_gqa=True" if kv_heads < heads else ""
+        extra += ", enable_gqa=True" if groups > 1 and spelling == "native" else ""
         self.emit(f"a = F.scaled_dot_product_attention({q}, {keys[0]}, {keys[1]}{extra})")
         a = "a" if layout == "bsd" else f"a.transpose(1, 2).reshape({B}, {n}, {q_dim})"
 
@@ -393,7 +406,46 @@ class _Builder:
             self.update(a, features=q_dim)
         if read_before == "view":
             self.update(f"h + {self.pool_features('old', layout)}")
+        if spelling != "native":
+            self.use_repeat()
         self.caches += caches
+
+    def repeat_heads(self, keys: list[str], spelling: str, kv_heads: int, groups: int, length: int,
+                     head_dim: int) -> list[str]:
+        """K and V [B, kv_heads, length, head_dim] repeated to every query head, as `kr` and `vr`
+        (one name for one tensor): transformers' repeat_kv, repeat_interleave, or the tile order
+        (query head j reads kv head j % kv_heads); V maybe spelled unlike K, or one of them not
+        a repeat at all."""
+        B, heads = self.B, kv_heads * groups
+        spelled = {
+            "repeat_kv": "{}[:, :, None].expand(" f"{B}, {kv_heads}, {groups}, {length}, {head_dim}).reshape("
+                         f"{B}, {heads}, {length}, {head_dim})",
+            "repeat_interleave": f"{{}}.repeat_interleave({groups}, dim=1)",
+            "tile": f"{{}}.repeat(1, {groups}, 1, 1)",
+            "cat": f"torch.cat([{{}}] * {groups}, 1)",
+        }
+        value_spelling = spelling if self.pick(same=6, other=1) == "same" else self.draw(st.sampled_from(list(spelled)))
+        self.emit(f"kr = {spelled[spelling].format(keys[0])}")
+        repeats = ["kr", "kr"]
+        if (keys[1], value_spelling) != (keys[0], spelling):
+            self.emit(f"vr = {spelled[value_spelling].format(keys[1])}")
+            repeats[1] = "vr"
+        not_a_repeat = self.pick(neither=10, key=1, value=1)  # its heads made to differ
+        if not_a_repeat != "neither":
+            i = 0 if not_a_repeat == "key" else 1
+            repeats[i] = f"{repeats[i]}.flip(1)" if self.pick(flip=1, scale=1) == "flip" \
+                else f"{repeats[i]} * {self.param(heads, 1, 1)}"
+        return repeats
+
+    def use_repeat(self) -> None:
+        """The repeated K (`kr`, [B, heads, length, head_dim]) used again after attention."""
+        use = self.pick(none=6, returned=1, read=1, written=1)
+        if use == "returned":
+            self.outputs.append("kr")
+        elif use == "read":
+            self.update(f"{self.h} + kr.mean((1, 2, 3))[:, None, None]")
+        elif use == "written":  # kr is a view of what it repeats where repeat_kv repeats one kv head
+            self.emit("kr[:, :1].mul_(0.5)")
 
     def late_write(self) -> None:
         """The stream written whole to a second buffer: every row is needed."""

@@ -4,7 +4,7 @@ Default (CI): a fixed sequence of programs (derandomize), stopping at the first 
 hypothesis shrinks and prints as a runnable program. `--long`: 5,000 random programs (seed:
 `--hypothesis-seed`, else a random one); the first failure of each signature is shrunk and
 printed, the others are counted, and generation goes on; prints the seed, the count, the
-fraction rewritten and the failures.
+fraction rewritten, how many programs each pass rewrote or left alone, and the failures.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class Failure(AssertionError):
         self.program: Program | None = None  # set where it was raised
 
 
-def check(program: Program) -> bool:
-    """Raise Failure where specpass differs from eager; -> whether a rewrite fired."""
+def check(program: Program) -> specpass.Report:
+    """Raise Failure where specpass differs from eager; -> the rewrite's report."""
     module, inputs = program.build()
     eager, compiled = copy.deepcopy(module), copy.deepcopy(module)
     eager_args, compiled_args = inputs(), inputs()
@@ -92,7 +92,7 @@ def check(program: Program) -> bool:
     before, after = report.matmul_flops
     if after > before:
         raise Failure("claim: more matmul FLOPs", str(report))
-    return bool(report.rewrites)
+    return report
 
 
 def _compare(what: str, got: list, want: list, tolerance: dict) -> None:
@@ -150,6 +150,7 @@ class _Run:
 
     programs: int = 0
     rewritten: int = 0
+    verdicts: Counter[str] = dataclasses.field(default_factory=Counter)  # "gqa rewrote": programs
     failures: Counter[str] = dataclasses.field(default_factory=Counter)  # generated programs per signature
     first: dict[str, Program] = dataclasses.field(default_factory=dict)  # the first program per signature
     shrunk: set[str] = dataclasses.field(default_factory=set)  # signatures hypothesis has shrunk and printed
@@ -159,7 +160,7 @@ class _Run:
         """Check one program; raise a failure whose signature has no shrunk program yet (or any,
         unless keep_going), so that hypothesis shrinks it."""
         try:
-            fired = check(program)
+            report = check(program)
         except Failure as failure:
             failure.program = program
             if not self.shrinking:
@@ -168,10 +169,11 @@ class _Run:
             if failure.signature not in self.shrunk or not keep_going:
                 self.shrinking = True
                 raise
-            fired = False
+            report = specpass.Report()
         if not self.shrinking:
             self.programs += 1
-            self.rewritten += fired
+            self.rewritten += bool(report.rewrites)
+            self.verdicts.update({f"{f.pass_name} {'rewrote' if f.fired else 'left alone'}" for f in report.findings})
 
     def run(self, profile: settings, first_seed: int | None, keep_going: bool) -> None:
         """Generate up to profile.max_examples programs; with keep_going, every new failure is
@@ -201,7 +203,8 @@ class _Run:
     def summary(self, seed_used: int | None) -> str:
         fraction = self.rewritten / max(self.programs, 1)
         return (f"generated programs: {self.programs}, seed {seed_used if seed_used is not None else 'derandomized'}, "
-                f"rewritten {self.rewritten} ({fraction:.0%}), distinct failures {len(self.failures)}")
+                f"rewritten {self.rewritten} ({fraction:.0%}), distinct failures {len(self.failures)}\n"
+                f"programs where a pass {', '.join(f'{k} {v}' for k, v in sorted(self.verdicts.items()))}")
 
 
 def test_generated_programs(request, capsys):
