@@ -771,6 +771,23 @@ def test_slice_with_runtime_bounds_is_not_a_static_range():
     assert [f.where for f in result.report.rewrites] == ["select"], str(result.report)
 
 
+@pytest.mark.parametrize("rows_of", [lambda y: y.exp()[:, :T, :1], lambda y: y.mean(2)[:, :T, None]],
+                         ids=["exp-slice-slice", "mean-slice-unsqueeze"])
+def test_a_range_that_fired_before_a_gather_by_index(rows_of):
+    """A range of rows (`y.exp()[:, :T]`, which fires and is read through its source from then on)
+    under a gather by per-request index: the index gather of the range reads the rewritten source
+    (the pass used to rewrite the consumer on the range's old shape, fail its shape check and drop)."""
+    def step(x, y, idx):
+        h = x + rows_of(y)  # [B, T, H] + [B, T, 1]
+        return h[torch.arange(x.shape[0])[:, None], idx]  # [B, 1, H]
+
+    x, y, idx = torch.randn(B, T, H), torch.randn(B, T + 3, 2), torch.tensor([[T - 1], [0], [1]])
+    result = specpass.rewrite(specpass.capture(step, x, y, idx))
+    assert not result.report.errors and len(result.report.rewrites) == 2, str(result.report)
+    got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(x, y, idx)
+    torch.testing.assert_close(got, step(x, y, idx), rtol=0, atol=0)
+
+
 def test_two_spellings_of_the_last_row_move_as_one():
     """x[arange(B), full(B, T - 1)] is x[:, -1]: both outputs share one gather and one finding,
     and it is a slice, not an index."""

@@ -24,6 +24,7 @@ aten = torch.ops.aten
 
 def emit_live_rows(prog: Program, live: Liveness, candidates: dict[fx.Node, Candidate]) -> None:
     stop_gathers: dict[tuple, fx.Node] = {}
+    replaced: dict[fx.Node, fx.Node] = {}  # a fired gather -> the source its readers now read
     for node in list(prog.graph.nodes):
         if node in live.plans:
             operands = {}
@@ -38,12 +39,19 @@ def emit_live_rows(prog: Program, live: Liveness, candidates: dict[fx.Node, Cand
                         if action.expand_to is not None:
                             x = emit(prog.graph, aten.expand.default, (x, list(action.expand_to)))
                         stop_gathers[key] = action.spec.gather(prog, x, f"{operand.name}_rows")
-                    operands[operand] = stop_gathers[key]
+                    # `node` reads a fired gather through its source now (`exp()[:, :2]` then a
+                    # gather by index: the range fired first); if it also reads that source in its
+                    # own right, the two arguments are one node and cannot be told apart.
+                    read = replaced.get(operand, operand)
+                    if read is not operand and read in live.plans[node]:
+                        raise RuntimeError(f"{node.name} reads {read.name} both directly and through {operand.name}")
+                    operands[read] = stop_gathers[key]
                 _rewrite(prog, node, live.need[node], operands)
         candidate = candidates.get(node)
         if candidate is not None and live.fired(candidate) and live.need.get(node) == FULL:
             if same_shape(shape_of(candidate.source), shape_of(node)):
                 node.replace_all_uses_with(candidate.source)
+                replaced[node] = candidate.source
             else:
                 node.target, node.kwargs = aten.reshape.default, {}
                 node.args = size_args(prog.graph, (candidate.source, shape_of(node)))
