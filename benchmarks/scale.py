@@ -21,7 +21,9 @@ Per point (batch size x prompt length), each variant is built, compiled, timed a
   apart          specpass, steps compiled apart, CUDA events after each step: the phase split
                  (draft / verify / accept / catch-up) (at --apart-at points)
 At --tune-at points the loop picks K itself (`Decoder.tune_k` at --tune-ks, the shipped acceptance),
-and the chosen K's tokens/s is set against the best K timed.
+and the chosen K's tokens/s is set against the best K timed: the chosen K and the --k-sweep K are
+timed on the tuning decoder, which keeps every K it compiled. Processes started side by side with
+one --gpu-lock file compile at once and take turns to time (each holds the GPU alone while it times).
 ms per round = (loop time of a long generate - loop time of a short one) / (rounds difference):
 prefill, the first round's warm-up and the one round run after the last cancel out. At --direct-at
 points (64 x 4K: the prefill's logits alone would take 67 GB) the rounds run from a one-token
@@ -36,6 +38,8 @@ request can see (its prompt plus what it has generated), not the whole static ca
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gc
 import json
 import statistics
@@ -187,15 +191,17 @@ class Bench:
         if self.args.quick:  # the rewritten graphs run eagerly: Inductor's C++ builds would take minutes
             compile = specpass.backend(handoff="eager") if compile == "specpass" else "eager"
         return Decoder(self.target, drafter, k=max(k, 1), max_batch=bs, max_len=max_len, compile=compile,
-                       mode=self.mode, fused_round=fused)
+                       mode=self.mode, fused_round=fused, compile_prefill=False)  # its time cancels out
 
     def round_ms(self, dec: Decoder, prompts, short: int, long: int) -> tuple[float, dict]:
         """ms per round from the difference of a long and a short generate (median of repeats)."""
         dec.generate(prompts, short)  # compiles, records the CUDA graphs
         samples = []
-        for _ in range(self.args.repeats):
-            a, b = (dec.generate(prompts, n).metrics for n in (short, long))
-            samples.append(((b.seconds - b.prefill_seconds) - (a.seconds - a.prefill_seconds)) / (b.rounds - a.rounds))
+        with exclusive(self.args.gpu_lock):
+            for _ in range(self.args.repeats):
+                a, b = (dec.generate(prompts, n).metrics for n in (short, long))
+                loop_seconds = (b.seconds - b.prefill_seconds) - (a.seconds - a.prefill_seconds)
+                samples.append(loop_seconds / (b.rounds - a.rounds))
         return 1e3 * statistics.median(samples), dict(prefill_ms=1e3 * a.prefill_seconds)
 
     def round_ms_direct(self, dec: Decoder, prompts, short: int, long: int) -> tuple[float, dict]:
@@ -219,10 +225,11 @@ class Bench:
 
         rounds(short)  # compiles, records the CUDA graphs
         samples = []
-        for _ in range(self.args.repeats):
-            start = dec._clock()
-            rounds(long - short)
-            samples.append((dec._clock() - start) / (long - short))
+        with exclusive(self.args.gpu_lock):
+            for _ in range(self.args.repeats):
+                start = dec._clock()
+                rounds(long - short)
+                samples.append((dec._clock() - start) / (long - short))
         return 1e3 * statistics.median(samples), dict(prefill_ms=0.0)
 
     def release(self):
@@ -230,6 +237,20 @@ class Bench:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path | None):
+    """The GPU to this process alone (an exclusive lock on the --gpu-lock file) while it times."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def attend_gqa(q, k, v, mask, scale):
@@ -350,14 +371,18 @@ def sweep(args, save) -> dict:
     dev = bench.device
     env = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
                dtype=str(next(bench.target.parameters()).dtype).removeprefix("torch."), drafter=args.drafter)
-    result = dict(env=env, ceilings=ceilings(dev), acceptance=shipped_acceptance(args.drafter), rows=[], attention=[],
+    with exclusive(args.gpu_lock):
+        ceiling = ceilings(dev)
+    bench.release()  # the 4 GB it copied, for processes side by side
+    result = dict(env=env, ceilings=ceiling, acceptance=shipped_acceptance(args.drafter), rows=[], attention=[],
                   profiles={})
     print(f"# {env}; ceilings {result['ceilings']}", file=sys.stderr, flush=True)
     short, long = args.new_tokens
     k_max = max([args.k, *args.k_sweep])
     if dev.type == "cuda":
         for (bs, prompt), queries in ((at, q) for at in args.attention_at for q in (1, args.k + 1)):
-            result["attention"].append(attention_bench(bs, queries, prompt + long + 2 * k_max + 1, dev))
+            with exclusive(args.gpu_lock):
+                result["attention"].append(attention_bench(bs, queries, prompt + long + 2 * k_max + 1, dev))
             print(f"  attention {result['attention'][-1]}", file=sys.stderr, flush=True)
             save(result)
     for bs, prompt in args.points:
@@ -387,10 +412,11 @@ def sweep(args, save) -> dict:
             row = dict(env, variant=variant, bs=bs, prompt=prompt, max_len=max_len, k=k, round_ms=ms, **extra,
                        floor_ms=floors(bench.target, bench.head, bs, k, context, result["ceilings"]),
                        seconds=time.perf_counter() - start)
-            if variant == "apart":
-                row["phase_ms"] = dec.generate(prompts, long, timing=True).metrics.phase_ms
-            if variant == "specpass" and k == args.k and (bs, prompt) in args.profile_at and dev.type == "cuda":
-                result["profiles"][f"{bs}x{prompt}"] = kernel_profile(dec, prompts, short, long)[:40]
+            with exclusive(args.gpu_lock):
+                if variant == "apart":
+                    row["phase_ms"] = dec.generate(prompts, long, timing=True).metrics.phase_ms
+                if variant == "specpass" and k == args.k and (bs, prompt) in args.profile_at and dev.type == "cuda":
+                    result["profiles"][f"{bs}x{prompt}"] = kernel_profile(dec, prompts, short, long)[:40]
             result["rows"].append(row)
             save(result)
             print(f"  bs {bs} prompt {prompt} {variant} K {k}: {ms:.3f} ms/round ({row['seconds']:.0f} s)",
@@ -413,8 +439,9 @@ def out_of_time(args, result: dict, what: str) -> bool:
 
 def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save) -> None:
     """The loop picks K: `Decoder.tune_k` times the fused specpass round at --tune-ks and prices
-    K = 1..8 at the shipped pair's acceptance; a chosen K it did not time is then timed the same way,
-    so the chosen K's tokens/s can be set against the best timed K's."""
+    K = 1..8 at the shipped pair's acceptance; the chosen K and the --k-sweep K it did not time are
+    then timed the same way on its decoder (nearest the chosen first), so the chosen K's tokens/s can
+    be set against the best timed K's."""
     short, long = args.new_tokens
     acceptance = result["acceptance"]
     max_len = prompt + long + 2 * len(acceptance) + 1
@@ -422,11 +449,18 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save) -> 
     context = prompt + long // 2
     start = time.perf_counter()
     dec = bench.decoder(bs, max_len, args.k, "specpass", True)
-    choice = dec.tune_k(prompts, args.tune_ks, acceptance=acceptance, new_tokens=args.new_tokens,
-                        repeats=args.repeats)
+    tune = lambda repeats: dec.tune_k(prompts, args.tune_ks, acceptance=acceptance,  # noqa: E731
+                                      new_tokens=args.new_tokens, repeats=repeats)
+    if args.gpu_lock:  # compiles every K (kept), so that the tuning below only times
+        tune(1)
+    with exclusive(args.gpu_lock):
+        choice = tune(args.repeats)
     measured = dict(choice.round_ms)
-    if choice.k not in measured and not out_of_time(args, result, f"{bs}x{prompt} chosen K {choice.k}"):
-        measured[choice.k], _ = bench.round_ms(dec, prompts, short, long)
+    swept = {choice.k, *(args.k_sweep if (bs, prompt) in args.k_sweep_at else [])} - set(measured)
+    for k in sorted(swept, key=lambda k: (abs(k - choice.k), k)):
+        if not out_of_time(args, result, f"{bs}x{prompt} K {k} on the tuning decoder"):
+            dec._bind(k)
+            measured[k], _ = bench.round_ms(dec, prompts, short, long)
     seconds = time.perf_counter() - start
     for k, ms in sorted(measured.items()):
         result["rows"].append(dict(result["env"], variant="specpass", bs=bs, prompt=prompt, max_len=max_len, k=k,
@@ -579,6 +613,7 @@ def main() -> None:
                         help="points timed without the prefill (it does not fit at 64x4096)")
     parser.add_argument("--tune-at", default="", type=points, help="points where Decoder.tune_k picks K")
     parser.add_argument("--tune-ks", default="2,4,6", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--gpu-lock", type=Path, help="a file: processes sharing it take turns to time")
     parser.add_argument("--stop-after", type=float, default=float("inf"),
                         help="seconds: start no variant after this (the device caps a command's time)")
     parser.add_argument("--variants", default="decode,specpass,inductor,specpass-gqa,apart", type=lambda s: s.split(","))

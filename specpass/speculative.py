@@ -464,13 +464,15 @@ class Decoder:
     greedy_drafts: when sampling, draft the arg-max (q one-hot, vLLM's default) instead of drawing
       drafts from the draft's distribution; the output distribution is the same either way.
     max_batch, max_len: the static cache shapes; `generate` pads the batch with idle rows.
+    compile_prefill: False runs the prefill uncompiled (a benchmark of the rounds alone skips its
+      compile, about a minute at 8B shape).
     `dec.prefill_step(tokens, lengths, params)`: `prefill_step` bound to the models and compiled,
     what `generate` runs through `prefill` (benchmarks/prefill.py times it).
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int = 4, max_batch: int,
                  max_len: int, compile: str | Callable = "specpass", mode: str | None = None,
-                 fused_round: bool = False, greedy_drafts: bool = False):
+                 fused_round: bool = False, greedy_drafts: bool = False, compile_prefill: bool = True):
         _require(target, "target", Target, ("parameters", "setup_caches", "__call__"))
         if drafter is not None:
             _require(drafter, "drafter", Drafter, ("hidden_kind", "setup_caches", "catch_up", "draft_step", "to_target"))
@@ -484,6 +486,8 @@ class Decoder:
                 raise ValueError(f"{name} must be an int >= 1 (a static cache size), got {value!r}")
         if not (compile in COMPILERS if isinstance(compile, str) else callable(compile)):
             raise ValueError(f"compile must be one of {list(COMPILERS)} or a backend callable, got {compile!r}")
+        if not isinstance(compile_prefill, bool):
+            raise ValueError(f"compile_prefill must be True or False, got {compile_prefill!r}")
         parameter = next(iter(target.parameters()), None)
         if parameter is None:
             raise ValueError("the target has no parameters: the loop puts its state on the device of the target's")
@@ -498,7 +502,8 @@ class Decoder:
         if drafter is not None:
             drafter.setup_caches(max_batch, max_len)
         self.vocab_size = self._probe()
-        self._wrap, self._wrap_prefill = _compiler(compile, mode), _compiler(compile, None, dynamic=None)
+        self._wrap = _compiler(compile, mode)
+        self._wrap_prefill = _compiler(compile if compile_prefill else "eager", None, dynamic=None)
         self._bound: dict[int, tuple] = {}  # K -> its steps and compiled forms (`tune_k` switches K)
         self._bind(self.k)
 
@@ -523,7 +528,10 @@ class Decoder:
                 run_round = functools.partial(decode_round, compiled)
             # Prompt lengths vary: one graph with a symbolic length, no CUDA graphs (one would be
             # recorded per length, for one call of large kernels per generate).
-            prefill = self._wrap_prefill(functools.partial(prefill_step, target, drafter, k, sampled), "prefill")
+            # A chain drafter's prefill does not read K: every K shares the one compiled first.
+            shared = not hasattr(drafter, "draft_parallel") and next(iter(self._bound.values()), None)
+            prefill = shared[3] if shared else self._wrap_prefill(
+                functools.partial(prefill_step, target, drafter, k, sampled), "prefill")
             self._bound[k] = steps, compiled, run_round, prefill
         self.k = k
         self.steps, self._steps, self._round, self.prefill_step = self._bound[k]

@@ -355,6 +355,21 @@ def test_tune_k_measures_acceptance_at_the_largest_k(target):
     assert set(choice.tokens_per_ms) == {1, 2, 3} and choice.k == dec.k
 
 
+def test_tune_k_compiles_one_prefill_for_every_k(target):
+    """A chain drafter's prefill does not read K: the K that tune_k times share one compiled
+    prefill; compile_prefill=False compiles none (a benchmark of the rounds alone)."""
+    want = [t[:6] for t in greedy(target).tokens]
+    for compile_prefill, graphs in ((True, 3), (False, 2)):
+        backend = CountingBackend()
+        dec = Decoder(target, drafter("tiny-llama-eagle3", target), k=2, max_batch=3, max_len=MAX_LEN,
+                      compile=backend, fused_round=True, compile_prefill=compile_prefill)
+        dec.tune_k(PROMPTS, (1, 3), new_tokens=(2, 6), repeats=1)
+        assert dec.generate(PROMPTS, 6).tokens == want
+        assert backend.graphs == graphs, compile_prefill  # the round at K 1 and at K 3, the prefill once or not
+    with pytest.raises(ValueError, match="compile_prefill must be True or False"):
+        Decoder(target, None, max_batch=3, max_len=MAX_LEN, compile_prefill="no")
+
+
 def test_tune_k_bad_input(target):
     with pytest.raises(ValueError, match="no K to tune"):
         Decoder(target, None, max_batch=3, max_len=MAX_LEN, compile="eager").tune_k(PROMPTS)
