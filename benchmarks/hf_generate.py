@@ -20,9 +20,10 @@ Ours: specpass with Inductor, CUDA graphs and the fused round on a GPU (specpass
 on CPU the rewritten graphs run eagerly (--quick: no torch.compile at all). Every variant runs once
 to compile and warm up; then `--repeats` interleaved passes over the variants of a batch size,
 median tokens/s (new tokens over generate's wall time, prefill included). "agree": the new tokens
-equal specpass/plain's (without it, the first variant's). The loop's variants also give the median prefill ms and ms per round
-(`Metrics`) and, for ours, "outside": generate's wall time beyond the Decoder's (argument checks,
-the output tensor). `--profile-bs`: at that batch size, one generate of each loop variant under
+equal specpass/plain's (without it, the first variant's). The loop's variants also give the median
+prefill ms and ms per round (`Metrics`) and, for ours, "outside": generate's wall time beyond the
+Decoder's (argument checks, the output tensor), and the rewrites per compiled step.
+`--profile-bs`: at that batch size, one generate of each loop variant under
 torch.profiler: per kernel, launches and GPU time (a text file beside `--out`). Rows are written to
 `--out` after every batch size; `--plan 64=specpass/eagle3,hf-static` picks the variants per batch
 size, `--deadline` starts no batch size or variant past that many seconds. First (unless
