@@ -14,21 +14,28 @@ request, the held-out prompts (checkpoints/prompts.json, byte tokenizer models/t
   hf-static         model.generate(cache_implementation="static"): transformers compiles the decoding
                     step itself (mode="reduce-overhead"), prefill eager, as its docs say
   hf-assisted       model.generate(assistant_model=the draft): bs 1 only (transformers' limit), eager
+  specpass/eagle3+guards, zoo/eagle3+guards  the same compiled loops with Dynamo's guards evaluated
+                    every round (`Decoder.generate` skips them from round 3 on)
 Ours: specpass with Inductor, CUDA graphs and the fused round on a GPU (specpass.generate's defaults);
 on CPU the rewritten graphs run eagerly (--quick: no torch.compile at all). Every variant runs once
 to compile and warm up; then `--repeats` interleaved passes over the variants of a batch size,
 median tokens/s (new tokens over generate's wall time, prefill included). "agree": the new tokens
-equal specpass/plain's. The loop's variants also give the median prefill ms and ms per round
-(`Metrics`) and, for ours, "outside": generate's wall time beyond the Decoder's (argument checks,
-the output tensor). `--profile-bs`: at that batch size, one generate of each loop variant under
+equal specpass/plain's (without it, the first variant's). The loop's variants also give the median
+prefill ms and ms per round (`Metrics`) and, for ours, "outside": generate's wall time beyond the
+Decoder's (argument checks, the output tensor), and the rewrites per compiled step.
+`--profile-bs`: at that batch size, one generate of each loop variant under
 torch.profiler: per kernel, launches and GPU time (a text file beside `--out`). Rows are written to
-`--out` after every batch size. First (unless --no-qwen3), a tiny random Qwen3 pair (specpass/draft
-and hf-assisted at bs 1), to show another family runs; no speed is claimed from it.
+`--out` after every batch size; `--plan 64=specpass/eagle3,hf-static` picks the variants per batch
+size, `--deadline` starts no batch size or variant past that many seconds. First (unless
+--no-qwen3), a tiny random Qwen3 pair (specpass/draft and hf-assisted at bs 1), to show another
+family runs; no speed is claimed from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import copy
 import itertools
 import json
@@ -37,6 +44,7 @@ import sys
 import time
 from pathlib import Path
 
+START = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -94,6 +102,8 @@ class Bench:
                 out = specpass.generate(self.model, ids, attention_mask=mask, assistant_model=assistant,
                                         max_new_tokens=new, num_assistant_tokens=k, compile=self.compile,
                                         mode=self.mode, return_dict_in_generate=True)
+                run.rewrites = {step: collections.Counter(line.split("]")[0][1:] for line in lines)
+                                for step, lines in out.rewrites.items()}  # step -> pass -> rewrites
                 return out.sequences[:, ids.shape[1]:].tolist(), out.metrics
             return run
 
@@ -114,7 +124,10 @@ class Bench:
                  "zoo/draft": zoo("draft"), "zoo/eagle3": zoo("eagle"), "hf-static": self.hf_static()}
         if bs == 1:
             found["hf-assisted"] = self.hf_generate(self.model, dict(assistant_model=self.draft))
-        return {name: run for name, run in found.items() if name in self.args.variants}
+        for name in ("specpass/eagle3", "zoo/eagle3"):  # the same compiled loop, every round under full guards
+            found[name + "+guards"] = guarded(found[name])
+        wanted = self.args.plan.get(bs, self.args.variants)
+        return {name: found[name] for name in wanted if name in found}
 
     def hf_static(self):
         # generate compiles its decoding step itself with a static cache (mode "reduce-overhead"),
@@ -162,6 +175,18 @@ class Bench:
         return "\n".join(lines)
 
 
+def guarded(run):
+    """run with Decoder.generate's rounds 3 on under Dynamo's guards too (they skip them otherwise)."""
+    from unittest import mock
+
+    from specpass import speculative
+
+    def with_guards(*args):
+        with mock.patch.object(speculative, "_skip_guards", contextlib.nullcontext):
+            return run(*args)
+    return with_guards
+
+
 def left_padded(torch, prompts, device):
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
@@ -182,11 +207,18 @@ def sweep(args) -> list[dict]:
     env = dict(device=where, torch=torch.__version__, dtype=args.dtype, new_tokens=args.new_tokens, k=args.k)
     rows = [] if args.no_qwen3 else tiny_qwen3(args)
     for bs in args.bs:
+        if time.perf_counter() - START > args.deadline:
+            print(f"  bs {bs}: skipped, past --deadline", file=sys.stderr)
+            continue
         prompts = bench.prompts(bs)
         ids, mask = left_padded(torch, prompts, bench.device)
         variants = bench.variants(bs)
         results = {}
-        for name, run in variants.items():  # compile and warm up
+        for name, run in list(variants.items()):  # compile and warm up
+            if time.perf_counter() - START > args.deadline:
+                print(f"  bs {bs} {name}: skipped, past --deadline", file=sys.stderr)
+                del variants[name]
+                continue
             seconds, tokens, metrics = bench.timed(run, ids, mask, prompts)
             results[name] = dict(tokens=tokens, compile_s=seconds, runs=[])
             print(f"  bs {bs} {name}: first call {seconds:.1f} s", file=sys.stderr)
@@ -199,7 +231,8 @@ def sweep(args) -> list[dict]:
         for name, r in results.items():
             seconds = statistics.median(s for s, _ in r["runs"])
             row = dict(env, variant=name, bs=bs, tokens_per_s=bs * args.new_tokens / seconds,
-                       accept_length=None, agree=r["tokens"] == reference, compile_s=r["compile_s"])
+                       accept_length=None, agree=r["tokens"] == reference, compile_s=r["compile_s"],
+                       rewrites=getattr(variants[name], "rewrites", None))
             loop = [m for _, m in r["runs"] if m is not None]
             if loop:
                 row.update(accept_length=loop[0].accept_length, rounds=loop[0].rounds,
@@ -281,7 +314,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the rows to this JSON file (after every batch size)")
     parser.add_argument("--profile-bs", type=int, help="profile one generate of each loop variant at this batch size")
     parser.add_argument("--no-qwen3", action="store_true", help="skip the tiny Qwen3 pair")
+    parser.add_argument("--plan", action="append", default=[], metavar="BS=VARIANTS",
+                        help="the variants at one batch size, in this order (repeatable; sets --bs in that order)")
+    parser.add_argument("--deadline", type=float, default=float("inf"),
+                        help="seconds after start past which no new batch size or variant starts")
     args = parser.parse_args()
+    plan = [entry.split("=", 1) for entry in args.plan]
+    args.plan = {int(bs): variants.split(",") for bs, variants in plan}
+    if plan:
+        args.bs = list(args.plan)
     if args.quick:
         args.bs, args.new_tokens, args.repeats, args.dtype = [1, 2], 8, 1, "float32"
     rows = sweep(args)

@@ -196,6 +196,7 @@ def test_drafter_must_embed_every_target_id(target, name, changes):
                                      r"\(ints 0..255\): encode it with the target's tokenizer"),
     ([[-1]], 8, ValueError, r"prompt 0 holds -1 at index 0"),
     ([[1.0]], 8, ValueError, r"prompt 0 holds 1.0 at index 0"),
+    ([[1, 2, True]], 8, ValueError, r"prompt 0 holds True at index 2"),
     ([[1], [2] * 70], 8, ValueError, r"prompt 1 has 70 tokens but max_len is 64: raise max_len \(to 87 for "
                                      r"max_new_tokens 8\) or shorten the prompt"),
     ([[1], [2] * 40], 20, ValueError, r"prompt 1 \(40 tokens\) \+ max_new_tokens 20 \+ 2k \+ 1 = 69 cache slots, "
@@ -209,6 +210,15 @@ def test_bad_requests(target, prompts, max_new_tokens, error, message):
     dec = decoder(target, zoo_drafter("tiny-llama-eagle3"))
     with pytest.raises(error, match=message):
         dec.generate(prompts, max_new_tokens)
+
+
+def test_prompts_of_other_integer_types_decode_as_ints(target):
+    import numpy as np
+
+    dec = decoder(target, zoo_drafter("tiny-llama-eagle3"))
+    prompts = [[5, 17, 33], [8, 41]]
+    want = dec.generate(prompts, 8).tokens
+    assert dec.generate([np.array(p) for p in prompts], 8).tokens == want
 
 
 def test_bad_eos_and_a_decoder_that_refused_a_request_still_decodes(target):

@@ -136,6 +136,18 @@ def test_compiled_catch_up_gets_the_live_row_rewrite():
     assert set(out.rewrites) == {"prefill", "draft", "verify", "accept", "catch_up"}
 
 
+def test_rewrites_are_reported_after_other_specpass_compiles():
+    """specpass compiling elsewhere first (its logger then caches "INFO is off") must not hide the
+    rewrites of the next step compiled here (it hid the prefill's: the first step compiled)."""
+    other = torch.compile(lambda x: torch.softmax(x, -1).max(-1).indices, backend=specpass.backend(handoff="eager"),
+                          fullgraph=True)
+    other(torch.randn(3, 8))
+    model, draft = build("llama"), build("llama", noise=0.1)
+    out = specpass.generate(model, IDS, attention_mask=MASK, assistant_model=draft, max_new_tokens=4,
+                            compile=specpass.backend(handoff="eager"), return_dict_in_generate=True)
+    assert any(line.startswith("[live_rows] rewrote") for line in out.rewrites["prefill"]), out.rewrites
+
+
 def test_import_specpass_does_not_import_transformers():
     code = "import sys, specpass; assert 'transformers' not in sys.modules; print(specpass.generate.__name__)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "generate"

@@ -19,6 +19,7 @@ from models import zoo
 from specpass.capture import to_aten_ir
 from models.checkpoint import save
 from models.drafters import ZooDrafter
+from specpass import speculative
 from specpass.speculative import Decoder, choose_k, expected_accept_length, first_true
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,6 +224,69 @@ def test_decoders_over_one_pair_keep_their_own_compile_caches(target):
         dec = Decoder(target, head, k=k, max_batch=3, max_len=MAX_LEN, compile=backend, fused_round=True)
         assert dec.generate(PROMPTS, 6).tokens == want, k
     assert backend.graphs == 10
+
+
+def stance_per_round(monkeypatch):
+    """-> a list that gets, at each round's host sync, whether Dynamo skips guard evaluation."""
+    seen = []
+    push = speculative._DoneFlags.push
+
+    def recording(self, finished):
+        seen.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+        return push(self, finished)
+
+    monkeypatch.setattr(speculative._DoneFlags, "push", recording)
+    return seen
+
+
+def test_rounds_after_the_second_skip_guard_evaluation(target, monkeypatch):
+    seen = stance_per_round(monkeypatch)
+    backend = CountingBackend()
+    dec = Decoder(target, drafter("tiny-llama-eagle3", target), k=3, max_batch=3, max_len=MAX_LEN, compile=backend,
+                  fused_round=True)
+    want = greedy(target, eos_id=7).tokens
+    seen.clear()
+    out = dec.generate(PROMPTS, NEW, eos_id=7)
+    assert out.tokens == want
+    assert out.metrics.rounds > 3 and seen == [False, False] + [True] * (out.metrics.rounds - 2), seen
+    assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe  # restored after the loop
+    seen.clear()
+    with pytest.raises(RuntimeError, match="stop"):  # restored when the loop raises, too
+        monkeypatch.setattr(speculative._DoneFlags, "push", lambda self, finished: (_ for _ in ()).throw(
+            RuntimeError("stop")) if len(seen) > 4 else seen.append(1))
+        dec.generate(PROMPTS, NEW)
+    assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
+    assert backend.graphs == 2
+
+
+def test_a_call_after_unguarded_rounds_still_recompiles_what_changed(target):
+    """Greedy, then sampled (other inputs to every step: a new graph each), then greedy again on one
+    Decoder: each call's first rounds run under full guards, so each runs its own graphs; tokens
+    equal a fresh Decoder's, and the sampled ones differ from the greedy ones."""
+    head = drafter("tiny-llama-eagle3", target)
+    backend = CountingBackend()
+    dec = Decoder(target, head, k=3, max_batch=3, max_len=MAX_LEN, compile=backend, fused_round=True)
+    want = greedy(target).tokens
+    assert dec.generate(PROMPTS, NEW).tokens == want
+    assert backend.graphs == 2  # the prefill, the round
+    sampled = dec.generate(PROMPTS, NEW, temperature=1.0, seed=5).tokens
+    assert backend.graphs == 4 and sampled != want
+    fresh = Decoder(target, head, k=3, max_batch=3, max_len=MAX_LEN, compile=CountingBackend(), fused_round=True)
+    assert fresh.generate(PROMPTS, NEW, temperature=1.0, seed=5).tokens == sampled
+    assert dec.generate(PROMPTS, NEW).tokens == want and backend.graphs == 4
+
+
+def test_the_callers_compiler_stance_holds_in_every_round(target, monkeypatch):
+    seen = stance_per_round(monkeypatch)
+    backend = CountingBackend()
+    dec = Decoder(target, drafter("tiny-llama-eagle3", target), k=3, max_batch=3, max_len=MAX_LEN, compile=backend,
+                  fused_round=True)
+    want = greedy(target).tokens
+    seen.clear()
+    with torch.compiler.set_stance("force_eager"):
+        assert dec.generate(PROMPTS, NEW).tokens == want
+        assert torch._dynamo.eval_frame._stance.stance == "force_eager"
+    assert backend.graphs == 0 and seen[2:] and all(seen[2:])  # nothing compiled, rounds 3 on unguarded
 
 
 class RewriteRecorder:

@@ -167,7 +167,8 @@ class _Recorder:
         log = logging.getLogger("specpass")
         records: list[str] = []
         handler = _ListHandler(records)
-        level, log.level = log.level, logging.INFO
+        level = log.level
+        log.setLevel(logging.INFO)  # not `log.level =`: that keeps isEnabledFor's cached answer
         log.addHandler(handler)
         try:
             compiled = self.backend(gm, example_inputs, **kwargs)

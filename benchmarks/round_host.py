@@ -1,0 +1,103 @@
+"""Host time of one compiled round outside its kernels, transformers' Llama against the zoo's (CPU).
+
+    python benchmarks/round_host.py          # tiny 12-layer Llama pair, fp32, one thread
+
+The same random weights as a transformers `LlamaForCausalLM` (through `HFTarget`) and as the zoo's
+`Llama`, with an EAGLE-3 head or a 2-layer standalone draft; the fused round compiled by specpass
+(`handoff="eager"`) at bs 1, K 4. Per pair: "guards", one evaluation of the round's Dynamo guards
+(its cache entry's guard manager on the round's inputs); "call", a call of the compiled round
+whose graph returns canned outputs (Dynamo's guards, its input marshalling, the outputs rebuilt:
+the host's work per round besides the kernels), under full guards and with guard evaluation
+skipped as `Decoder.generate` does from round 3 on. Best of 9 batches of calls, microseconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def best_us(fn, calls: int) -> float:
+    times = []
+    for _ in range(9):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return 1e6 * min(times)
+
+
+class Canned:
+    """A backend whose graph runs once, then returns those outputs: a call costs Dynamo's work only."""
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        outputs = []
+
+        def run(*args):
+            if not outputs:
+                outputs.append(gm(*args))
+            return outputs[0]
+        return run
+
+
+def main() -> None:
+    import torch
+    import transformers
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    import specpass
+    from models import zoo
+    from models.checkpoint import load
+    from models.drafters import ZooDrafter
+    from models.eagle3 import Eagle3Config
+    from models.llama import Llama
+    from specpass.hf.adapters import HFDrafter, HFTarget
+    from specpass.speculative import Decoder, prefill
+
+    torch.set_num_threads(1)
+    transformers.utils.logging.disable_progress_bar()
+    sizes = dict(vocab_size=258, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, tie_word_embeddings=False, attn_implementation="sdpa")
+    pairs = {}
+    torch.manual_seed(0)
+    for name, layers in (("target", 12), ("draft", 2)):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=layers, **sizes)).eval()
+        folder = tempfile.mkdtemp()
+        hf.save_pretrained(folder)
+        pairs[name] = hf, load(Llama, folder)
+    head = zoo.build(Eagle3Config(vocab_size=258, draft_vocab_size=258, hidden_size=64, intermediate_size=128,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0), seed=3)
+    prompt = [[(7 * i) % 250 + 3 for i in range(40)]]
+    print("| target | drafter | guards us | call us, full guards | call us, guards skipped |\n|---|---|---|---|---|")
+    for drafter in ("eagle3", "draft"):
+        for path in ("zoo", "transformers"):
+            side = 0 if path == "transformers" else 1
+            target = HFTarget(pairs["target"][0]) if side == 0 else pairs["target"][1]
+            draft = (HFDrafter(pairs["draft"][0]) if side == 0 else ZooDrafter(pairs["draft"][1])) \
+                if drafter == "draft" else ZooDrafter(copy.deepcopy(head))
+            row = []
+            for backend in (specpass.backend(handoff="eager"), Canned()):
+                dec = Decoder(target, draft, k=4, max_batch=1, max_len=256, compile=backend, fused_round=True)
+                with torch.no_grad():
+                    state, carry = prefill(dec.prefill_step, prompt, [16], [-1], None, 4, 1, 256, dec.device)
+                    dec._round(state, carry, None)  # compiles
+                    if not row:  # the guard manager on the frame's locals: step(*args) and its closure's fn
+                        step = dec._round._torchdynamo_orig_callable
+                        (entry,) = _debug_get_cache_entry_list(step.__code__)
+                        frame = {"args": (state, carry, None), "fn": step.__closure__[0].cell_contents}
+                        assert entry.guard_manager.check(frame)
+                        row.append(best_us(lambda: entry.guard_manager.check(frame), 1000))
+                        continue
+                    for skip in (False, True):
+                        with torch.compiler.set_stance(skip_guard_eval_unsafe=skip):
+                            row.append(best_us(lambda: dec._round(state, carry, None), 300))
+            print(f"| {path} | {drafter} | " + " | ".join(f"{us:.0f}" for us in row) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
