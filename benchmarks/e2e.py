@@ -19,7 +19,7 @@ of new tokens per request:
                  draft forward per round)} and LOOP in {inductor-apart (plain Inductor, one graph
                  per step), specpass-apart, specpass-fused (one graph per round)}
 K = 4 for every loop, and each K of --k-sweep for eagle3/specpass-fused and parallel/specpass-fused
-(the best K per batch size). "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
+(or the --swept ones; the best K per batch size). "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
 in every variant, HF's too) included; "decode tokens/s" counts the rounds alone (our loops).
 Every compiled variant uses CUDA graphs (mode="reduce-overhead"). A variant's first generate
 compiles it (its wall time is "compile s"); then the loop variants are timed interleaved,
@@ -224,7 +224,7 @@ def sweep(args, save) -> list[dict]:
     loops = [] if args.no_plain else [("plain", None, "inductor", True, 0)]
     for drafter, (loop, (compile, fused)) in itertools.product(DRAFTERS, LOOPS.items()):
         if f"{drafter}/{loop}" in args.variants:
-            sweep_k = [k for k in args.k_sweep if k != args.k] if f"{drafter}/{loop}" in SWEPT else []
+            sweep_k = [k for k in args.k_sweep if k != args.k] if f"{drafter}/{loop}" in args.swept else []
             loops += [(f"{drafter}/{loop}", drafter, compile, fused, k) for k in [args.k, *sweep_k]]
     for bs in args.bs:
         prompts = bench.batch(bs)
@@ -385,7 +385,9 @@ def main() -> None:
     parser.add_argument("--bs", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--k-sweep", default="3,5,6", type=lambda s: [int(x) for x in s.split(",") if x],
-                        help=f"more K for {', '.join(SWEPT)} (the best K per batch size)")
+                        help="more K for the --swept variants (the best K per batch size)")
+    parser.add_argument("--swept", default=",".join(SWEPT), type=lambda s: s.split(","),
+                        help=f"the variants also run at each K of --k-sweep, of {', '.join(SWEPT)}")
     all_variants = ["hf-static", "hf-assisted"] + [f"{d}/{loop}" for d in DRAFTERS for loop in LOOPS]
     parser.add_argument("--variants", default=",".join(all_variants), type=lambda s: s.split(","),
                         help=f"comma-separated, of {all_variants} (plain runs too, unless --no-plain)")

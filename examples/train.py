@@ -194,10 +194,11 @@ def parallel_rows(head: ParallelEagle3Head, tokens: torch.Tensor, features: torc
 
 
 def parallel_kl(head: ParallelEagle3Head, target: Llama, x: torch.Tensor, depths: int, ratio: float,
-                autocast) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[B, L]` -> (KL(target || head) per row `[B, N]`, the weight of each row `[N]`: 1 / (the
-    rows of its depth with a label in the window), 0 without one). Row (s, j)'s target is the
-    target's distribution at position s+1+j. Each depth weighs the same."""
+                autocast, weigh: str = "depth") -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[B, L]` -> (KL(target || head) per row `[B, N]`, the weight of each row `[N]`: the weights
+    sum to 1, 0 for a row without a label in the window). Row (s, j)'s target is the target's
+    distribution at position s+1+j. `weigh`: "depth", each depth weighs the same; "row", each
+    labelled row the same (depth j then weighs as its share of the rows, about ratio**j)."""
     with torch.no_grad(), autocast():
         logits, features = llama_forward(target, x, target.eagle3_layers)
     log_p = logits.float().log_softmax(-1)  # [B, L, V]
@@ -209,8 +210,10 @@ def parallel_kl(head: ParallelEagle3Head, target: Llama, x: torch.Tensor, depths
     valid = label <= L - 1
     log_p = log_p[:, label.clamp(max=L - 1)]  # [B, N, V]
     kl = (log_p.exp() * (log_p - head_logits.float().log_softmax(-1))).sum(-1)
+    if weigh == "row":
+        return kl, valid / valid.sum()
     per_depth = torch.zeros(depths, device=x.device).index_add(0, depth, valid.float())  # [depths]
-    return kl, valid / per_depth[depth]
+    return kl, valid / per_depth[depth] / depths
 
 
 @torch.no_grad()
@@ -434,6 +437,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="phase 2 trains a parallel-drafting head (stdlib-llama-peagle3) instead; needs --target")
     p.add_argument("--depths", type=int, default=8, help="parallel: draft positions trained (K at most)")
     p.add_argument("--cod-ratio", type=float, default=0.7, help="parallel: depth j keeps ratio**j of the slots")
+    p.add_argument("--weigh", choices=["depth", "row"], default="depth",
+                   help="parallel: each depth weighs the same, or each kept row (depth j ~ cod-ratio**j)")
+    p.add_argument("--init-from", type=pathlib.Path,
+                   help="parallel: start from this EAGLE-3 (chain) head folder of the same shape; mask_hidden is new")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
     p.add_argument("--eval-windows", type=int, default=1024)
     p.add_argument("--prompts", type=int, default=32)
@@ -525,6 +532,22 @@ def main(argv: list[str] | None = None) -> dict:
     return log
 
 
+def init_from_chain(head: ParallelEagle3Head, chain_dir: pathlib.Path) -> None:
+    """Copy a chain EAGLE-3 head's weights (same config) into the parallel head: depth 0 starts at
+    the chain head's catch-up. The embedding stays the target's; `mask_hidden` keeps its init."""
+    chain = load(Eagle3Head, chain_dir, device=head.fc.weight.device, dtype=torch.float32,
+                 shared={"embed_tokens.weight": head.embed_tokens.weight})
+    ours = {f.name: getattr(head.config, f.name) for f in dataclasses.fields(Eagle3Config)}
+    if dataclasses.asdict(chain.config) != ours:
+        raise ValueError(f"--init-from {chain_dir}: its config differs from the parallel head's "
+                         f"({dataclasses.asdict(chain.config)} against {ours}); train with the chain head's shape")
+    state = {k: v for k, v in chain.state_dict().items() if k != "embed_tokens.weight"}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if sorted(missing) != ["embed_tokens.weight", "mask_hidden"] or unexpected:
+        raise ValueError(f"--init-from {chain_dir}: not a chain EAGLE-3 head of this layout "
+                         f"(missing {missing}, unexpected {unexpected})")
+
+
 def train_parallel(args, cfg: ParallelEagle3Config, target_dir, out_dir, train_tokens, held_out, log, began,
                    compile, autocast) -> dict:
     """Phase 2 with --parallel: the parallel head alone against the frozen target."""
@@ -535,18 +558,23 @@ def train_parallel(args, cfg: ParallelEagle3Config, target_dir, out_dir, train_t
     nn.init.normal_(head.mask_hidden, 0.0, 0.02)
     head.t2d.fill_(True)
     head.embed_tokens.weight = target.model.embed_tokens.weight
+    if args.init_from is not None:
+        init_from_chain(head, args.init_from)
     log["configs"] = dict(target=target.config.to_dict(), peagle3=cfg.to_dict())
 
     def loss_fn(x):
-        kl, weight = parallel_kl(head, target, x, args.depths, args.cod_ratio, autocast)  # [B, N], [N]
-        per_depth = (kl.mean(0) * weight).split(cod_sizes(x.shape[1] - 1, args.depths, args.cod_ratio))
-        per_depth = torch.stack([d.sum() for d in per_depth])  # [depths]: mean KL at each depth
-        return per_depth.mean(), torch.cat([per_depth.mean()[None], per_depth])
+        kl, weight = parallel_kl(head, target, x, args.depths, args.cod_ratio, autocast, args.weigh)  # [B, N], [N]
+        sizes = cod_sizes(x.shape[1] - 1, args.depths, args.cod_ratio)
+        per_row, labelled = kl.mean(0), (weight > 0).float()  # [N]
+        per_depth = torch.stack([(k * v).sum() / v.sum() for k, v in zip(per_row.detach().split(sizes),
+                                                                          labelled.split(sizes))])  # [depths]
+        loss = (per_row * weight).sum()
+        return loss, torch.cat([loss.detach()[None], per_depth])  # logged: the loss, mean KL at each depth
 
     log["parallel"] = train_phase("peagle3", loss_fn, [head], sampler(train_tokens, args.drafts_batch, args.seq_len,
                                   args.seed + 1), args.drafts_lr, args.drafts_seconds, args.drafts_steps, args.warmup,
                                   compile, args.log_every)
-    log["parallel"]["loss_parts"] = ["kl", *[f"kl depth {j}" for j in range(args.depths)]]
+    log["parallel"]["loss_parts"] = [f"kl weighted by {args.weigh}", *[f"kl depth {j}" for j in range(args.depths)]]
     save_bf16(head, out_dir)
     log["eval"] = evaluate_parallel(target, head.eval(), held_out, args.seq_len, 16, args.eval_windows, args.depths,
                                     autocast)

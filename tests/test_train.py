@@ -133,3 +133,47 @@ def test_cpu_smoke_run_trains_and_writes_loadable_folders(tmp_path, capsys):
     assert (tmp_path / "resumed" / "stdlib-llama-eagle3" / "model.safetensors").is_file()
     # Both second phases ran against the same (saved, bf16) target.
     assert resumed["eval"]["target_loss"] == pytest.approx(ev["target_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("weigh", ["depth", "row"])
+def test_parallel_kl_weights(weigh):
+    torch.manual_seed(0)
+    target, head = Llama(train.TINY["target"]), train.ParallelEagle3Head(train.TINY["peagle3"])
+    x = torch.randint(0, VOCAB, (2, 33))
+    depths, ratio = 4, 0.7
+    kl, weight = train.parallel_kl(head, target, x, depths, ratio, train.contextlib.nullcontext, weigh)
+    sizes = train.cod_sizes(32, depths, ratio)
+    assert kl.shape == (2, sum(sizes)) and (kl > -1e-5).all()
+    close(weight.sum(), torch.tensor(1.0))
+    per_depth = weight.split(sizes)
+    for j, w in enumerate(per_depth):
+        assert (w == 0).sum() <= j  # a row at depth j needs a label j bytes on: the last j slots have none
+    if weigh == "depth":
+        close(torch.stack([w.sum() for w in per_depth]), torch.full((depths,), 1 / depths))
+    else:
+        assert len(set(weight[weight > 0].tolist())) == 1
+
+
+def test_parallel_head_starts_from_the_chain_head(tmp_path):
+    """--parallel --init-from: every weight the chain head has is the chain head's (lr 0: one step
+    that changes nothing), mask_hidden its own; then a few steps of training lower every depth's KL."""
+    train.main([*SMOKE, "--target-steps", "5", "--drafts-steps", "5", "--out", str(tmp_path)])
+    target_dir, chain_dir = tmp_path / "stdlib-llama", tmp_path / "stdlib-llama-eagle3"
+    common = [*SMOKE, "--parallel", "--target", str(target_dir), "--init-from", str(chain_dir), "--depths", "4"]
+    train.main([*common, "--drafts-steps", "1", "--drafts-lr", "0", "--out", str(tmp_path / "copy")])
+    embed = load(Llama, target_dir).model.embed_tokens.weight
+    chain = load(Eagle3Head, chain_dir, shared={"embed_tokens.weight": embed})
+    head = load(train.ParallelEagle3Head, tmp_path / "copy" / "stdlib-llama-peagle3", shared={"embed_tokens.weight": embed})
+    ours = head.state_dict()
+    for name, tensor in chain.state_dict().items():
+        assert torch.equal(ours[name], tensor), name
+    assert ours["mask_hidden"].abs().sum() > 0
+
+    log = train.main([*common, "--weigh", "row", "--drafts-steps", "30", "--out", str(tmp_path / "row")])
+    first, final = log["parallel"]["loss_first"], log["parallel"]["loss_final"]
+    assert all(b < a for a, b in zip(first, final)), (first, final)
+    assert log["parallel"]["loss_parts"][0] == "kl weighted by row" and len(log["eval"]["agreement"]) == 4
+
+    bad = [*SMOKE, "--parallel", "--target", str(target_dir), "--init-from", str(target_dir), "--drafts-steps", "1"]
+    with pytest.raises(Exception, match="stdlib-llama"):
+        train.main([*bad, "--out", str(tmp_path / "bad")])
