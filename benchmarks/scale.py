@@ -57,7 +57,7 @@ import specpass  # noqa: E402
 from models import layers, zoo  # noqa: E402
 from models.layers import attend  # noqa: E402
 from models.drafters import adapt  # noqa: E402
-from specpass.speculative import Decoder, _clone, expected_accept_length, prefill  # noqa: E402
+from specpass.speculative import Decoder, _clone, cache_slots, expected_accept_length, prefill  # noqa: E402
 
 SHIPPED = {"eagle3": (ROOT / "docs" / "e2e.json", "eagle3/specpass-fused"),  # --drafter -> its e2e run
            "parallel": (ROOT / "docs" / "e2e_parallel.json", "parallel/specpass-fused")}
@@ -382,11 +382,12 @@ def sweep(args, save) -> dict:
     if dev.type == "cuda":
         for (bs, prompt), queries in ((at, q) for at in args.attention_at for q in (1, args.k + 1)):
             with exclusive(args.gpu_lock):
-                result["attention"].append(attention_bench(bs, queries, prompt + long + 2 * k_max + 1, dev))
+                slots = cache_slots(prompt, long, k_max, parallel=True)
+                result["attention"].append(attention_bench(bs, queries, slots, dev))
             print(f"  attention {result['attention'][-1]}", file=sys.stderr, flush=True)
             save(result)
     for bs, prompt in args.points:
-        max_len = prompt + long + 2 * k_max + 1
+        max_len = cache_slots(prompt, long, k_max, parallel=True)
         context = prompt + long // 2  # slots a request sees, on average over the timed rounds
         prompts = bench.prompts(bs, prompt)
         runs = [("decode", 0, "specpass", True)]
@@ -444,7 +445,7 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save) -> 
     be set against the best timed K's."""
     short, long = args.new_tokens
     acceptance = result["acceptance"]
-    max_len = prompt + long + 2 * len(acceptance) + 1
+    max_len = cache_slots(prompt, long, len(acceptance), parallel=True)
     prompts = bench.prompts(bs, prompt)
     context = prompt + long // 2
     start = time.perf_counter()

@@ -267,6 +267,14 @@ def first_true(mask: Tensor) -> Tensor:
     return torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1).int().argmax(1)
 
 
+def cache_slots(prompt_len: int, max_new_tokens: int, k: int, parallel: bool = False) -> int:
+    """The cache slots (`Decoder`'s max_len) a request needs. A finished request runs on frozen (the
+    host reads `done` rounds late; other requests go on) at a position up to prompt + budget + K - 1,
+    and a round writes past it: verify K+1 slots, the chain drafter's catch-up and draft steps up to
+    K+1, a parallel drafter's one draft forward 2K (K+1 catch-up rows, K-1 mask slots)."""
+    return prompt_len + max_new_tokens + (3 * k if parallel else 2 * k + 1)
+
+
 def expected_accept_length(acceptance: Sequence[float]) -> float:
     """Tokens per round per request at K = len(acceptance): the bonus plus each accepted draft
     (acceptance[i]: the fraction of request-rounds that accept draft i+1, `Metrics.acceptance`)."""
@@ -708,14 +716,13 @@ class Decoder:
                                          f"vocabulary (ints 0..{self.vocab_size - 1}): encode it with the target's "
                                          "tokenizer")
                 ids = [int(t) for t in ids]  # other integer types (numpy's)
-            # A finished request keeps running frozen; a round writes up to K+1 slots past it.
-            need = len(ids) + limit + 2 * self.k + 1
+            need = cache_slots(len(ids), limit, self.k, hasattr(self.drafter, "draft_parallel"))
             if len(ids) >= self.max_len:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens but max_len is {self.max_len}: raise max_len "
                                  f"(to {need} for max_new_tokens {limit}) or shorten the prompt")
             if need > self.max_len:
-                raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_new_tokens {limit} + 2k + 1 = {need} cache "
-                                 f"slots, but max_len is {self.max_len}: raise max_len to {need}, or lower "
+                raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_new_tokens {limit} needs {need} cache slots "
+                                 f"at K {self.k} (`cache_slots`), but max_len is {self.max_len}: raise max_len to {need}, or lower "
                                  "max_new_tokens or shorten the prompt")
             checked.append(ids)
         return checked

@@ -19,7 +19,7 @@ from tests.test_speculative import CountingBackend
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
 NEW = 24
-MAX_LEN = 9 + NEW + 2 * 5 + 1
+MAX_LEN = speculative.cache_slots(9, NEW, 5, parallel=True)  # K up to 5
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +185,26 @@ def test_judging_a_draft_against_another_draft_s_proposal_is_rejected(sampling_t
     monkeypatch.undo()
     reference, _ = test_sampling.run(sampling_target, n, seed=7, temperature=1.0)
     assert test_sampling.two_sample(tokens, reference)[2] < 1e-6
+
+
+class ExactParallelCopy(NoisyParallelCopy):
+    """NoisyParallelCopy without the noise: every draft is the target's, every round accepts K."""
+
+    def __init__(self, target):
+        ZooDrafter.__init__(self, copy.deepcopy(target))
+
+
+def test_a_finished_request_s_draft_forward_fits_the_cache(target):
+    """A request that finishes first, its last round accepting all K drafts past its budget, runs on
+    frozen while another decodes: its draft forward writes 2K slots past its position, K-1 more
+    than a chain round. The cache `cache_slots` sizes holds them, and Decoder refuses one slot less."""
+    k, prompts, limits = 4, [PROMPTS[1], PROMPTS[0]], [12, 17]  # 9 + 12: 1, 6, 11, then 1 of 5 emitted
+    max_len = max(speculative.cache_slots(len(p), n, k, parallel=True) for p, n in zip(prompts, limits))
+    assert max_len == 9 + 12 + 3 * k > 3 + 17 + 3 * k  # the request that finishes first needs the most
+    want = Decoder(target, None, max_batch=2, max_len=max_len, compile="eager").generate(prompts, limits)
+    out = Decoder(target, ExactParallelCopy(target), k=k, max_batch=2, max_len=max_len,
+                  compile="eager").generate(prompts, limits)
+    assert out.tokens == want.tokens and out.metrics.accept_length == k + 1
+    with pytest.raises(ValueError, match=f"raise max_len to {max_len}"):
+        Decoder(target, ExactParallelCopy(target), k=k, max_batch=2, max_len=max_len - 1,
+                compile="eager").generate(prompts, limits)

@@ -79,7 +79,8 @@ def _drafter(kind: str) -> ZooDrafter:
 
 def run(target, n, drafter=None, k=2, greedy_drafts=False, compile="eager", fused=False, seed=0, **params):
     backend = specpass.backend(handoff="eager") if compile == "specpass" else compile
-    dec = Decoder(target, drafter, k=k, max_batch=n, max_len=len(PROMPT) + NEW + 2 * k + 2, compile=backend,
+    max_len = speculative.cache_slots(len(PROMPT), NEW, k, hasattr(drafter, "draft_parallel")) + 1
+    dec = Decoder(target, drafter, k=k, max_batch=n, max_len=max_len, compile=backend,
                   fused_round=fused, greedy_drafts=greedy_drafts)
     out = dec.generate([PROMPT] * n, NEW, seed=seed, **params)
     assert all(len(t) == NEW for t in out.tokens)
