@@ -316,16 +316,17 @@ def table(rows: list[dict]) -> str:
     lines = ["| dtype | bs | variant | K | tokens/s | vs plain | vs inductor-apart (per pass) | decode tokens/s | "
              "vs plain | prefill ms | accepted length | ms/round | draft / verify / accept / catch-up / between ms | "
              "agree (prefix) | compile s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    ratio = lambda v, of: f"{v / of[r['bs'], r['dtype']]:.2f}x" if (r["bs"], r["dtype"]) in of else "-"  # noqa: E731
+    for r in rows:  # a run with --no-plain has no ratios to plain
         phases = "-"
         if r["phase_ms"]:
             phases = " / ".join(f"{r['phase_ms'].get(p, 0):.3f}" for p in ("draft", "verify", "accept", "catch_up", "between"))
         accept = f"{r['accept_length']:.2f}" if r["accept_length"] is not None else "-"
         round_ms = f"{r['round_ms']:.3f}" if r["round_ms"] is not None else "-"
         rate = r["decode_tokens_per_s"]
-        decoding = f"{rate:.0f} | {rate / decode[r['bs'], r['dtype']]:.2f}x | {r['prefill_ms']:.1f}" if rate else "- | - | -"
+        decoding = f"{rate:.0f} | {ratio(rate, decode)} | {r['prefill_ms']:.1f}" if rate else "- | - | -"
         lines.append(f"| {r['dtype']} | {r['bs']} | {r['variant']} | {r['k'] or '-'} | {r['tokens_per_s']:.0f} | "
-                     f"{r['tokens_per_s'] / base[r['bs'], r['dtype']]:.2f}x | {against_inductor(rows, r)} | {decoding} | "
+                     f"{ratio(r['tokens_per_s'], base)} | {against_inductor(rows, r)} | {decoding} | "
                      f"{accept} | {round_ms} | {phases} | "
                      f"{'yes' if r['agree'] else 'no'} ({r['prefix']:.2f}) | {r['compile_s']:.0f} |")
     return "\n".join(lines)

@@ -721,9 +721,9 @@ class Decoder:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens but max_len is {self.max_len}: raise max_len "
                                  f"(to {need} for max_new_tokens {limit}) or shorten the prompt")
             if need > self.max_len:
-                raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_new_tokens {limit} needs {need} cache slots "
-                                 f"at K {self.k} (`cache_slots`), but max_len is {self.max_len}: raise max_len to {need}, or lower "
-                                 "max_new_tokens or shorten the prompt")
+                raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_new_tokens {limit} needs {need} cache "
+                                 f"slots at K {self.k} (`cache_slots`), but max_len is {self.max_len}: raise max_len "
+                                 f"to {need}, or lower max_new_tokens or shorten the prompt")
             checked.append(ids)
         return checked
 

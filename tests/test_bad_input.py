@@ -199,8 +199,8 @@ def test_drafter_must_embed_every_target_id(target, name, changes):
     ([[1, 2, True]], 8, ValueError, r"prompt 0 holds True at index 2"),
     ([[1], [2] * 70], 8, ValueError, r"prompt 1 has 70 tokens but max_len is 64: raise max_len \(to 87 for "
                                      r"max_new_tokens 8\) or shorten the prompt"),
-    ([[1], [2] * 40], 20, ValueError, r"prompt 1 \(40 tokens\) \+ max_new_tokens 20 \+ 2k \+ 1 = 69 cache slots, "
-                                      r"but max_len is 64: raise max_len to 69, or lower max_new_tokens"),
+    ([[1], [2] * 40], 20, ValueError, r"prompt 1 \(40 tokens\) \+ max_new_tokens 20 needs 69 cache slots at K 4 "
+                                      r"\(`cache_slots`\), but max_len is 64: raise max_len to 69, or lower max_new_tokens"),
     ([[1]], 0, ValueError, r"max_new_tokens must be an int >= 1, got 0"),
     ([[1], [2]], [8, -3], ValueError, r"max_new_tokens\[1\] must be an int >= 1, got -3"),
     ([[1], [2]], [8], ValueError, r"max_new_tokens has 1 values for 2 prompts: pass one per prompt, or one int"),

@@ -49,7 +49,8 @@ def test_transformers_loads_the_target_and_decodes_the_same_tokens(target, promp
                                                        ("parallel", "stdlib-llama-peagle3", 2.3)])
 def test_shipped_drafters_are_lossless_and_accepted(target, prompts, kind, folder, min_accept):
     k = 4
-    shape = dict(max_batch=len(prompts), max_len=cache_slots(max(map(len, prompts)), NEW, k, parallel=True), compile="eager")
+    max_len = cache_slots(max(map(len, prompts)), NEW, k, parallel=True)
+    shape = dict(max_batch=len(prompts), max_len=max_len, compile="eager")
     plain = Decoder(target, None, **shape).generate(prompts, NEW)
     out = Decoder(target, load_drafter(target, kind, CHECKPOINTS / folder), k=k, **shape).generate(prompts, NEW)
     assert out.tokens == plain.tokens

@@ -163,7 +163,8 @@ def test_parallel_head_starts_from_the_chain_head(tmp_path):
     train.main([*common, "--drafts-steps", "1", "--drafts-lr", "0", "--out", str(tmp_path / "copy")])
     embed = load(Llama, target_dir).model.embed_tokens.weight
     chain = load(Eagle3Head, chain_dir, shared={"embed_tokens.weight": embed})
-    head = load(train.ParallelEagle3Head, tmp_path / "copy" / "stdlib-llama-peagle3", shared={"embed_tokens.weight": embed})
+    head = load(train.ParallelEagle3Head, tmp_path / "copy" / "stdlib-llama-peagle3",
+                shared={"embed_tokens.weight": embed})
     ours = head.state_dict()
     for name, tensor in chain.state_dict().items():
         assert torch.equal(ours[name], tensor), name
