@@ -97,7 +97,8 @@ class HFTarget(nn.Module):
     def setup_caches(self, max_batch: int, max_len: int) -> None:
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and max_len > limit:  # a learned position table has no row past it (GPT-2)
-            raise ValueError(f"the cache needs {max_len} positions (the longest prompt + max_new_tokens + 2K + 1) "
+            raise ValueError(f"the cache needs {max_len} positions (the longest prompt + max_new_tokens + what "
+                             f"a round writes past them, `speculative.cache_slots`) "
                              f"but {type(self.model).__name__} was made for {limit} positions: lower max_new_tokens "
                              "or shorten the prompts")
         self.window = sliding_window(self.model.config, max_len)

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 import specpass
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair
-from specpass.speculative import Decoder, Metrics
+from specpass.speculative import Decoder, Metrics, cache_slots
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
 
@@ -59,7 +59,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
       generation_config's. tokenizer, assistant_tokenizer: when both are given, their vocabularies
       must be the same. compile: "specpass", "inductor", "eager" or a backend callable; mode,
       fused_round: default CUDA graphs ("reduce-overhead") and the fused round on a GPU.
-    cache_len: the static cache length (default: the longest prompt + max_new_tokens + 2K + 1);
+    cache_len: the static cache length (default: the longest prompt + max_new_tokens + 2K + 1, 3K for
+      a parallel drafter: `speculative.cache_slots`);
       a fixed one lets calls with other prompt lengths reuse the compiled steps.
     sampling (with do_sample=True): `temperature`, `top_k`, `top_p` (default: the model's
       generation_config's, as `generate`), `seed` (the same seed gives the same tokens).
@@ -75,10 +76,10 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     pad = next((p for p in (pad_token_id, model.generation_config.pad_token_id, eos) if p is not None), None)
     options = _sampling(model, do_sample, sampling)
 
-    need = max(map(len, prompts)) + max_new_tokens + 2 * k + 1
+    need = cache_slots(max(map(len, prompts)), max_new_tokens, k, hasattr(assistant_model, "draft_parallel"))
     if cache_len is not None and cache_len < need:
-        raise ValueError(f"cache_len {cache_len} is shorter than the longest prompt + max_new_tokens + 2K + 1 = "
-                         f"{need}: raise it to {need} or more")
+        raise ValueError(f"cache_len {cache_len} is shorter than the {need} slots the longest prompt + max_new_tokens "
+                         f"need at K {k} (`cache_slots`): raise it to {need} or more")
     cuda = model.device.type == "cuda"
     mode = mode if mode is not None else "reduce-overhead" if cuda else None
     fused_round = fused_round if fused_round is not None else cuda
