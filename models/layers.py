@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
 # --- RoPE (Hugging Face's "default" rope: rotate_half, cos/sin in fp32, cast to the activations)
@@ -63,8 +64,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     as the MLA layer folds its heads. The g = hq / hk query heads of a K/V head become g rows per
     token, `[B, hk, Tq * g, d]` (token-major, so a row gather on Tq still maps to whole blocks of
     rows), and each K/V head is read once; with an explicit mask, `enable_gqa` goes to kernels that
-    read K/V once per query head. On CUDA, a few such rows (Tq * g <= 64: a verify or catch-up, not
-    a prefill) go to `attend_split` instead: SDPA runs one program per (request, K/V head) over
+    read K/V once per query head. On CUDA, a few such rows (Tq * g <= 64, Tq static: a verify or a
+    catch-up; a prefill's symbolic length keeps SDPA and one graph for every length) go to
+    `attend_split` instead: SDPA runs one program per (request, K/V head) over
     every slot, 128 programs at bs 16 (cuDNN: 187 µs at 16 x 4K slots, H100, against 128 µs
     split; faster at every verify shape measured, benchmarks/verify_attention.py). One token per
     request (a decode or draft step) stays SDPA's own GQA, the call transformers makes: folded, its
@@ -78,7 +80,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=scale, enable_gqa=g != 1)
         return out.transpose(1, 2)
-    if q.is_cuda and T * g <= 64 and _split_kv_fits(q, v, mask):
+    if q.is_cuda and statically_known_true(T * g <= 64) and _split_kv_fits(q, v, mask):  # symbolic T: False, no guard
         return attend_split(q, k, v, mask, scale)
     return _attend_folded(q, k, v, mask, scale)
 
