@@ -96,9 +96,11 @@ def _attend_folded(q, k, v, mask, scale):
 
 
 def _split_kv_fits(q, v, mask) -> bool:
-    """The kernel's limits: 16-bit dtypes (its dots), power-of-two head sizes, a bool mask."""
+    """The kernel's limits: 16-bit dtypes (its dots), power-of-two head sizes, a bool mask of its own
+    shape `[B, 1, T, S]` (not broadcast)."""
     d, dv = q.shape[-1], v.shape[-1]
     return (q.dtype in (torch.bfloat16, torch.float16) and v.dtype == q.dtype and mask.dtype == torch.bool
+            and tuple(mask.shape) == (q.shape[0], 1, q.shape[1], v.shape[1])
             and all(16 <= n <= 256 and n & (n - 1) == 0 for n in (d, dv)))
 
 

@@ -1,4 +1,4 @@
-"""Split-KV attention (flash-decoding) in Triton: the CUDA kernel of `torch.ops.zoo.attend_split`
+"""Split-KV attention (flash-decoding) in Triton: the CUDA kernel of `torch.ops.specpass_zoo.attend_split`
 (models/layers.py), imported on its first call (Triton is not needed on CPU).
 
 A few query rows per request against a long cache: one program per (request, K/V head) would stream
