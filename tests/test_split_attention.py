@@ -1,0 +1,75 @@
+"""The zoo's split-KV attention kernel (models/triton_attention.py, `specpass_zoo::attend_split`) on
+a GPU: values against fp32 math at verify and catch-up shapes, chunks whose slots a row never sees,
+every chunk count, an expanded mask; and `attend` routing to it inside a compiled, CUDA-graphed
+function. Skipped without CUDA (CI has none; on CPU `attend` keeps the folded SDPA, which the model
+tests cover): run through the device machine."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.layers import _attend_folded, attend
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel needs a CUDA GPU and Triton")
+
+
+def _case(B, T, hq, hk, S, d, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, hq, d, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(B, S, hk, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    last = torch.randint(T - 1, S, (B, 1), device="cuda", generator=g)
+    last[0] = T - 1  # request 0 sees only the first T slots: every later chunk is hidden from it
+    positions = last - T + 1 + torch.arange(T, device="cuda")
+    mask = torch.arange(S, device="cuda")[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+    return q, k, v, mask
+
+
+def _reference(q, k, v, mask, scale):
+    return F.scaled_dot_product_attention(q.transpose(1, 2).float(), k.transpose(1, 2).float(),
+                                          v.transpose(1, 2).float(), attn_mask=mask, scale=scale,
+                                          enable_gqa=True).transpose(1, 2)
+
+
+@cuda
+@pytest.mark.parametrize("B,T,hq,hk,S,d", [(16, 5, 32, 8, 4145, 128), (64, 5, 32, 8, 113, 128), (1, 5, 32, 8, 4145, 128),
+                                            (3, 9, 32, 8, 700, 128), (2, 2, 8, 2, 300, 64), (4, 3, 4, 4, 200, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_fp32_math_as_closely_as_sdpa(B, T, hq, hk, S, d, dtype):
+    from models.triton_attention import attend_split
+
+    q, k, v, mask = _case(B, T, hq, hk, S, d, dtype)
+    scale = d**-0.5
+    want = _reference(q, k, v, mask, scale)
+    sdpa_err = (_attend_folded(q, k, v, mask, scale).float() - want).abs().max().item()
+    for splits in (None, 1, 2, 7, 64):  # the chosen count, none, a ragged one, more chunks than blocks
+        got = attend_split(q, k, v, mask, scale, splits=splits)
+        assert got.shape == q.shape and got.dtype == dtype
+        err = (got.float() - want).abs().max().item()
+        assert err <= 2 * sdpa_err + 1e-3, (splits, err, sdpa_err)
+
+
+@cuda
+def test_expanded_mask_and_strided_query():
+    from models.triton_attention import attend_split
+
+    q, k, v, mask = _case(4, 5, 32, 8, 1000, 128)
+    q = torch.randn(4, 5, 32, 256, device="cuda", dtype=torch.bfloat16)[..., ::2]  # a non-unit last stride
+    shared = mask[:1].expand(4, 1, 5, 1000)  # stride 0 along the batch
+    want = _reference(q, k, v, shared, 128**-0.5)
+    err = (attend_split(q, k, v, shared, 128**-0.5).float() - want).abs().max().item()
+    assert err <= 2 * (_attend_folded(q, k, v, shared, 128**-0.5).float() - want).abs().max().item() + 1e-3
+
+
+@cuda
+def test_attend_routes_to_the_op_compiled_with_cuda_graphs():
+    q, k, v, mask = _case(16, 5, 32, 8, 2100, 128)
+    scale = 128**-0.5
+    compiled = torch.compile(attend, mode="reduce-overhead", fullgraph=True)
+    graph = torch._dynamo.explain(attend)(q, k, v, mask, scale).graphs[0]
+    assert any("attend_split" in str(n.target) for n in graph.graph.nodes), graph.graph
+    eager = attend(q, k, v, mask, scale)
+    for _ in range(3):  # warm-up, capture, replay
+        out = compiled(q, k, v, mask, scale)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    err = (out.float() - _reference(q, k, v, mask, scale)).abs().max().item()
+    assert err <= 2 * (_attend_folded(q, k, v, mask, scale).float() - _reference(q, k, v, mask, scale)).abs().max() + 1e-3
