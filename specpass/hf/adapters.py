@@ -39,13 +39,22 @@ def check_model(model: nn.Module, role: str) -> None:
                          "back out of its state, which the loop never does (it only overwrites K/V slots); "
                          "use an attention-only model")
     accepts = inspect.signature(model.forward).parameters
-    missing = [p for p in ("position_ids", "past_key_values", "attention_mask") if p not in accepts]
+    missing = [p for p in ("position_ids", "attention_mask") if p not in accepts]
+    if cache_keyword(model) is None:
+        missing.append("cache (past_key_values before transformers 5.24)")
     if missing:
         raise ValueError(f"{role} ({name}).forward takes no {missing}: the loop passes per-request positions, "
                          "its own cache and a 4D mask")
     if config._attn_implementation not in ATTENTION:
         raise ValueError(f"{role} ({name}) uses attn_implementation={config._attn_implementation!r}, which does not "
                          f"read a 4D mask; load it with attn_implementation='sdpa' (or 'eager')")
+
+
+def cache_keyword(model: nn.Module) -> str | None:
+    """The name `model.forward` takes its KV cache by: `cache` from transformers 5.24 on (where
+    `past_key_values` is a deprecated alias), `past_key_values` before; None if neither."""
+    accepts = inspect.signature(model.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in accepts), None)
 
 
 def check_pair(model: nn.Module, assistant: nn.Module, tokenizers: tuple = (None, None)) -> None:
@@ -109,7 +118,8 @@ class HFTarget(nn.Module):
         self.cache.positions = positions
         mask = visible(positions, self.cache.slots, self.window, self.model.dtype)  # [B, 1, T, S]
         return self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                          past_key_values=self.cache, use_cache=True, output_hidden_states=hidden_states)
+                          **{cache_keyword(self.model): self.cache}, use_cache=True,
+                          output_hidden_states=hidden_states)
 
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         return self.run(tokens, positions).logits
