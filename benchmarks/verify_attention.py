@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,35 +27,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.scale import graph_ms  # noqa: E402  (ms per call, CUDA-graph replays)
+
 HQ, HK, D = 32, 8, 128
-
-
-def graph_us(fn, calls: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 1e3 * statistics.median(times) / calls
 
 
 def copy_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    return 2 * x.numel() / graph_us(lambda: y.copy_(x), calls=5)  # bytes per µs
+    return 2 * x.numel() / (1e3 * graph_ms(lambda: y.copy_(x), calls=5))  # bytes per µs
 
 
 def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
@@ -115,7 +94,7 @@ def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
     for name, fn in variants.items():
         try:
             row[f"{name}_err"] = (fn().float() - ref).abs().max().item()
-            row[f"{name}_us"] = graph_us(fn)
+            row[f"{name}_us"] = 1e3 * graph_ms(fn)
         except Exception as exc:  # a candidate that refuses these shapes says why
             row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     sweep = {}
@@ -126,7 +105,7 @@ def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
             fn = (lambda s=splits, b=block_n, w=warps, st=stages: attend_split(q, k, v, mask, scale, s, b, w, st))
             try:
                 err = (fn().float() - ref).abs().max().item()
-                sweep[f"n{block_n}_w{warps}_s{stages}_x{splits}"] = (graph_us(fn), err)
+                sweep[f"n{block_n}_w{warps}_s{stages}_x{splits}"] = (1e3 * graph_ms(fn), err)
             except Exception as exc:
                 sweep[f"n{block_n}_w{warps}_s{stages}_x{splits}"] = (None, f"{type(exc).__name__}: {str(exc)[:200]}")
     timed = {key: us for key, (us, _) in sweep.items() if us is not None}

@@ -100,6 +100,7 @@ class HFTarget(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.cache_keyword = cache_keyword(model)  # read once: `run` is called every step
         self.cache: PositionCache | None = None
         self.window: int | None = None
 
@@ -118,7 +119,7 @@ class HFTarget(nn.Module):
         self.cache.positions = positions
         mask = visible(positions, self.cache.slots, self.window, self.model.dtype)  # [B, 1, T, S]
         return self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                          **{cache_keyword(self.model): self.cache}, use_cache=True,
+                          **{self.cache_keyword: self.cache}, use_cache=True,
                           output_hidden_states=hidden_states)
 
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
