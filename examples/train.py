@@ -16,8 +16,8 @@ Phase 2, against the frozen target (the bf16 weights it ships with), jointly:
 With `--parallel`, phase 2 trains a parallel-drafting EAGLE-3 head instead (models/peagle.py;
 P-EAGLE, arXiv 2602.01469): one forward over the verified rows plus K-1 mask slots at every slot at
 once, depths kept by conditional drop-token sampling (depth j keeps a random `--cod-ratio`**j of
-the slots, nested in depth j-1's), KL to the target's distribution (`parallel_rows`). It writes
-stdlib-llama-peagle3/ and train_log_parallel.json.
+the slots, nested in depth j-1's), KL to the target's distribution (`parallel_rows`), with `--layers`
+layers (the midlayer, then decoder layers). It writes stdlib-llama-peagle3/ and train_log_parallel.json.
 Each phase has a wall-clock budget, compilation included: the number of steps (and so the cosine
 schedule) follows from the step time measured after warm-up; `--target-steps` / `--drafts-steps`
 fix it instead. Then an evaluation on the held-out modules, and the folders under --out:
@@ -136,6 +136,8 @@ def eagle3_rollout(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tenso
     have in its cache (`rollout_mask`). Row s of step j predicts x_{s+2}; rows s < j have no
     inference counterpart (their hidden is padding): leave them out of losses.
     """
+    if head.config.num_hidden_layers != 1:
+        raise ValueError("the chain head's training-time test trains a one-layer head (num_hidden_layers 1)")
     layer, attn = head.midlayer, head.midlayer.self_attn
     T = tokens.shape[1]
     embeds = layer.input_layernorm(head.embed_tokens(tokens))  # [B, T, H], the same at every step
@@ -176,20 +178,26 @@ def parallel_rows(head: ParallelEagle3Head, tokens: torch.Tensor, features: torc
     RoPE position s, as `eagle3_rollout`'s step 0. Row (s, j), j >= 1 (`anchor`, `depth` [N], from
     `cod_rows`) is the j-th mask slot after slot s: mask token, `mask_hidden`, position s + j; it
     attends to slots <= s and to mask slots 1..j of s, as in inference's forward when s is the last
-    verified slot. Row (s, j) predicts x_{s+2+j}.
+    verified slot, in every layer of the head. Row (s, j) predicts x_{s+2+j}.
     """
-    layer, attn = head.midlayer, head.midlayer.self_attn
+    first, *rest = head.decoder_layers
     B, T = tokens.shape
     masks = anchor.numel() - T
     toks = torch.cat([tokens, tokens.new_full((B, masks), head.config.mask_token_id)], 1)  # [B, N]
     hidden = torch.cat([head.fc(features), head.fc(head.mask_hidden).expand(B, masks, -1)], 1)  # [B, N, H]
-    x = torch.cat([layer.input_layernorm(head.embed_tokens(toks)), layer.hidden_norm(hidden)], dim=-1)
+    x = torch.cat([first.input_layernorm(head.embed_tokens(toks)), first.hidden_norm(hidden)], dim=-1)
     rope_cs = rope((anchor + depth)[None], head.rope_dim, head.config.rope_theta, x.dtype)
-    q, k, v, gate = attn.project(x, rope_cs)
     a_q, a_k, d_q, d_k = anchor[:, None], anchor[None], depth[:, None], depth[None]
     mask = ((d_k == 0) & (a_k <= a_q)) | ((d_k > 0) & (a_k == a_q) & (d_k <= d_q))  # [N, N]
-    h = hidden + attn.output(attention(q, k, v, mask), gate)
-    h = h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def block(layer, x, residual):  # one layer's attention and MLP over the rows, `mask` between them
+        q, k, v, gate = layer.self_attn.project(x, rope_cs)
+        h = residual + layer.self_attn.output(attention(q, k, v, mask), gate)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    h = block(first, x, hidden)
+    for layer in rest:
+        h = block(layer, layer.input_layernorm(h), h)
     return head.lm_head(head.norm(h))
 
 
@@ -439,8 +447,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cod-ratio", type=float, default=0.7, help="parallel: depth j keeps ratio**j of the slots")
     p.add_argument("--weigh", choices=["depth", "row"], default="depth",
                    help="parallel: each depth weighs the same, or each kept row (depth j ~ cod-ratio**j)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="parallel: the head's layers (num_hidden_layers): the midlayer, then decoder layers")
     p.add_argument("--init-from", type=pathlib.Path,
-                   help="parallel: start from this EAGLE-3 (chain) head folder of the same shape; mask_hidden is new")
+                   help="parallel: start from this one-layer EAGLE-3 (chain) head folder of the same shape: its "
+                        "midlayer is layer 0; mask_hidden is new, layers after the first start as identities")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
     p.add_argument("--eval-windows", type=int, default=1024)
     p.add_argument("--prompts", type=int, default=32)
@@ -495,7 +506,8 @@ def main(argv: list[str] | None = None) -> dict:
         write_log()
     log["target_dir"] = str(target_dir)
     if args.parallel:
-        return train_parallel(args, cfgs["peagle3"], target_dir, dirs["peagle3"], train_tokens, held_out, log, began,
+        cfg = dataclasses.replace(cfgs["peagle3"], num_hidden_layers=args.layers)
+        return train_parallel(args, cfg, target_dir, dirs["peagle3"], train_tokens, held_out, log, began,
                               compile, autocast)
 
     # Phase 2 trains against the target as shipped: bf16 weights (held in fp32).
@@ -533,19 +545,29 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def init_from_chain(head: ParallelEagle3Head, chain_dir: pathlib.Path) -> None:
-    """Copy a chain EAGLE-3 head's weights (same config) into the parallel head: depth 0 starts at
-    the chain head's catch-up. The embedding stays the target's; `mask_hidden` keeps its init."""
+    """Copy a one-layer chain EAGLE-3 head's weights (same shape) into the parallel head: its midlayer
+    is layer 0, so depth 0 starts at the chain head's catch-up. Layers after the first get zero
+    `o_proj` and `down_proj`: they add nothing until trained, so the head starts as the chain head.
+    The embedding stays the target's; `mask_hidden` keeps its init."""
     chain = load(Eagle3Head, chain_dir, device=head.fc.weight.device, dtype=torch.float32,
                  shared={"embed_tokens.weight": head.embed_tokens.weight})
-    ours = {f.name: getattr(head.config, f.name) for f in dataclasses.fields(Eagle3Config)}
-    if dataclasses.asdict(chain.config) != ours:
-        raise ValueError(f"--init-from {chain_dir}: its config differs from the parallel head's "
+    shape = [f.name for f in dataclasses.fields(Eagle3Config) if f.name != "num_hidden_layers"]
+    ours, theirs = ({n: getattr(c, n) for n in shape} for c in (head.config, chain.config))
+    if theirs != ours or chain.config.num_hidden_layers != 1:
+        raise ValueError(f"--init-from {chain_dir}: not a one-layer head of the parallel head's shape "
                          f"({dataclasses.asdict(chain.config)} against {ours}); train with the chain head's shape")
     state = {k: v for k, v in chain.state_dict().items() if k != "embed_tokens.weight"}
+    if head.config.num_hidden_layers > 1:
+        state = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v for k, v in state.items()}
     missing, unexpected = head.load_state_dict(state, strict=False)
-    if sorted(missing) != ["embed_tokens.weight", "mask_hidden"] or unexpected:
+    later = [n for n, _ in head.named_parameters() if n.startswith("layers.") and not n.startswith("layers.0.")]
+    if sorted(missing) != sorted(["embed_tokens.weight", "mask_hidden", *later]) or unexpected:
         raise ValueError(f"--init-from {chain_dir}: not a chain EAGLE-3 head of this layout "
                          f"(missing {missing}, unexpected {unexpected})")
+    with torch.no_grad():
+        for layer in head.decoder_layers[1:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
 
 
 def train_parallel(args, cfg: ParallelEagle3Config, target_dir, out_dir, train_tokens, held_out, log, began,

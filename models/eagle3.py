@@ -9,12 +9,16 @@ Modelled on EAGLE-3 (arXiv 2503.01840; SafeAILab/EAGLE `cnets.py`), SGLang/Token
         x = cat(input_layernorm(embed(token)), hidden_norm(hidden))     [B, T, 2H]
         h = hidden + self_attn(x)      (the residual is the hidden branch)
         h = h + mlp(post_attention_layernorm(h))
+    layers.1 .. N-1:           with num_hidden_layers N > 1, standard pre-norm decoder layers on h
     logits = lm_head(norm(h))  over the draft vocabulary; hidden_out = h (pre-norm)
 
 Checkpoint layout: the public EAGLE-3 one — `fc.weight`, `midlayer.*`, `norm.weight`,
-`lm_head.weight`, `d2t` (int64 [V_draft]) and `t2d` (bool [V_target]). A draft id maps back to a
-target id as `target_id = draft_id + d2t[draft_id]` (`to_target`); `t2d` marks the target ids
-the draft vocabulary covers. The embedding is the target's: it is not in the checkpoint (key
+`lm_head.weight`, `d2t` (int64 [V_draft]) and `t2d` (bool [V_target]). A deeper head (config
+`num_hidden_layers` N > 1) names its layers as vLLM's `llama_eagle3.py` loads them: `layers.0.*` is
+the midlayer (vLLM reads a one-layer `midlayer.*` as `layers.0.*`), `layers.1.*` .. `layers.{N-1}.*`
+plain decoder layers (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`). A draft
+id maps back to a target id as `target_id = draft_id + d2t[draft_id]` (`to_target`); `t2d` marks
+the target ids the draft vocabulary covers. The embedding is the target's: it is not in the checkpoint (key
 `embed_tokens.weight` is in `checkpoint_excludes`); pass the target's tensor at load time,
 `load(Eagle3Head, dir, shared={"embed_tokens.weight": target.model.embed_tokens.weight})`, and the
 head uses it by reference (no copy when device and dtype match).
@@ -49,7 +53,7 @@ import torch.nn as nn
 
 from models.checkpoint import ConfigBase
 from models.deepseek import MLAAttention
-from models.layers import Attention, Draft, SwiGLU, rope
+from models.layers import Attention, DecoderLayer, Draft, SwiGLU, rope
 
 
 @dataclasses.dataclass
@@ -65,6 +69,7 @@ class Eagle3Config(ConfigBase):
     rms_norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     max_position_embeddings: int = 8192
+    num_hidden_layers: int = 1  # the midlayer, then N-1 decoder layers
     attention: str = "gqa"  # "gqa" (Llama) or "mla" (DeepSeek)
     q_lora_rank: int | None = None  # MLA only, from here on
     kv_lora_rank: int | None = None
@@ -82,6 +87,8 @@ class Eagle3Config(ConfigBase):
         unset = [n for n in needed[self.attention] if getattr(self, n) is None]
         if unset:
             raise ValueError(f"attention={self.attention!r} needs {unset}")
+        if self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be at least 1 (the midlayer), got {self.num_hidden_layers}")
 
     @property
     def model_type(self) -> str:  # type: ignore[override]
@@ -91,7 +98,12 @@ class Eagle3Config(ConfigBase):
         return ["LlamaForCausalLMEagle3" if self.attention == "gqa" else "Eagle3DeepseekV2ForCausalLM"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "num_hidden_layers": 1, "hidden_act": "silu", "tie_word_embeddings": False}
+        return {**super().to_dict(), "hidden_act": "silu", "tie_word_embeddings": False}
+
+
+def attention(config: Eagle3Config, in_features: int) -> nn.Module:
+    return (Attention(config, in_features=in_features) if config.attention == "gqa"
+            else MLAAttention(config, in_features=in_features))
 
 
 class Eagle3Layer(nn.Module):
@@ -102,8 +114,7 @@ class Eagle3Layer(nn.Module):
         H = config.hidden_size
         self.input_layernorm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
-        self.self_attn = (Attention(config, in_features=2 * H) if config.attention == "gqa"
-                          else MLAAttention(config, in_features=2 * H))
+        self.self_attn = attention(config, 2 * H)
         self.post_attention_layernorm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self.mlp = SwiGLU(H, config.intermediate_size)
 
@@ -124,7 +135,12 @@ class Eagle3Head(Draft):
         H = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, H)
         self.fc = nn.Linear(3 * config.target_hidden_size, H, bias=False)
-        self.midlayer = Eagle3Layer(config)
+        if config.num_hidden_layers == 1:
+            self.midlayer = Eagle3Layer(config)  # the public one-layer layout
+        else:  # vLLM's deeper layout: the midlayer is layers.0
+            self.layers = nn.ModuleList([Eagle3Layer(config)] + [
+                DecoderLayer(attention(config, H), SwiGLU(H, config.intermediate_size), H, config.rms_norm_eps)
+                for _ in range(config.num_hidden_layers - 1)])
         self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
@@ -139,8 +155,17 @@ class Eagle3Head(Draft):
                              f"[.., {self.config.hidden_size}] (own), got {list(hidden.shape)}")
         embeds = self.embed_tokens(tokens)  # [B, T, H]
         rope_cs = rope(positions, self.rope_dim, self.config.rope_theta, embeds.dtype)
-        h = self.midlayer(embeds, hidden, rope_cs, self.mask(positions), positions)
+        mask = self.mask(positions)
+        first, *rest = self.decoder_layers
+        h = first(embeds, hidden, rope_cs, mask, positions)
+        for layer in rest:
+            h = layer(h, rope_cs, mask, positions)
         return self.lm_head(self.norm(h)), h  # [B, T, V_draft], [B, T, H]
+
+    @property
+    def decoder_layers(self) -> list[nn.Module]:
+        """The midlayer, then the decoder layers after it (N > 1)."""
+        return [self.midlayer] if self.config.num_hidden_layers == 1 else list(self.layers)
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary ids -> target-vocabulary ids (the public `d2t` offset convention)."""

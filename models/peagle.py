@@ -17,7 +17,10 @@ own position and cache slot: no two rows write the same slot. The K drafts are r
 live[b] .. live[b]+K-1: `x[arange(B)[:, None], rows]`, the K live rows of specpass's live-row pass.
 
 Checkpoint layout: the public EAGLE-3 one (`LlamaForCausalLMEagle3`) plus `mask_hidden`; the config
-adds `parallel_drafting: true` and `mask_token_id` (the names vLLM reads).
+adds `parallel_drafting: true` and `mask_token_id` (the names vLLM reads). With `num_hidden_layers` > 1
+(P-EAGLE's heads are deeper) the layers are vLLM's `layers.N.*` (models/eagle3.py). In one layer a mask
+slot attends to the earlier mask slots' inputs, all the same; from the second layer on it attends to
+their first layer's states, which carry what they predict. Every layer writes K/V for every row.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ sampled), and the live-row rewrite of that forward (K live rows per request). fp
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import specpass
 import specpass.speculative as speculative
 from models import zoo
 from models.drafters import ParallelZooDrafter, ZooDrafter, adapt
-from models.peagle import ParallelEagle3Config
+from models.peagle import ParallelEagle3Config, ParallelEagle3Head
 from specpass.speculative import Decoder, Proposal
 from tests import test_sampling
 from tests.test_speculative import CountingBackend
@@ -49,8 +50,9 @@ class NoisyParallelCopy(ZooDrafter):
         return torch.stack(logits, 1)  # [B, K, V]
 
 
-def peagle(seed=3):
-    return adapt(zoo.build("tiny-llama-peagle3", seed=seed))
+def peagle(seed=3, layers=1):
+    """A random parallel head; `layers` > 1: the midlayer, then decoder layers (vLLM's deeper layout)."""
+    return adapt(zoo.build(dataclasses.replace(zoo.config("tiny-llama-peagle3"), num_hidden_layers=layers), seed=seed))
 
 
 def decode(target, drafter, k, compile="eager", fused_round=False, **kw):
@@ -63,10 +65,11 @@ def greedy(target, **kw):
     return Decoder(target, None, max_batch=len(PROMPTS), max_len=MAX_LEN, compile="eager").generate(PROMPTS, NEW, **kw)
 
 
-def test_draft_forward_is_the_mask_slot_layout():
+@pytest.mark.parametrize("layers", [1, 2])
+def test_draft_forward_is_the_mask_slot_layout(layers):
     """Rows 0..live are verified, then K-1 mask slots (mask token, mask_hidden, the next positions);
     the K drafts are rows live..live+K-1. Checked against a forward on exactly those rows."""
-    head = zoo.build("tiny-llama-peagle3", seed=3)
+    head = peagle(layers=layers).model
     assert isinstance(adapt(head), ParallelZooDrafter)
     B, T, k, H3 = 3, 5, 4, 3 * head.config.target_hidden_size
     g = torch.Generator().manual_seed(0)
@@ -86,10 +89,11 @@ def test_draft_forward_is_the_mask_slot_layout():
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 5])
-@pytest.mark.parametrize("kind", ["peagle", "noisy"])
+@pytest.mark.parametrize("kind", ["peagle", "peagle-2-layers", "noisy"])
 def test_lossless(target, kind, k):
     ref = greedy(target)
-    out = decode(target, peagle() if kind == "peagle" else NoisyParallelCopy(target), k)
+    drafter = {"peagle": peagle, "peagle-2-layers": lambda: peagle(layers=2)}.get(kind, lambda: NoisyParallelCopy(target))()
+    out = decode(target, drafter, k)
     assert out.tokens == ref.tokens
     m = out.metrics
     assert m.new_tokens == NEW * len(PROMPTS) and len(m.acceptance) == k
@@ -98,22 +102,25 @@ def test_lossless(target, kind, k):
         assert 1 < m.accept_length < k + 1
 
 
-def test_compiled_apart_and_fused_match_eager(target):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_compiled_apart_and_fused_match_eager(target, layers):
     ref, k = greedy(target, eos_id=7), 3
-    want = decode(target, peagle(), k, eos_id=7)
+    want = decode(target, peagle(layers=layers), k, eos_id=7)
     assert want.tokens == ref.tokens
     for fused, graphs in ((False, 4), (True, 2)):  # prefill; verify, accept, draft forward or the whole round
         backend = CountingBackend()
-        out = decode(target, peagle(), k, compile=backend, fused_round=fused, eos_id=7)
+        out = decode(target, peagle(layers=layers), k, compile=backend, fused_round=fused, eos_id=7)
         assert out.tokens == ref.tokens
         assert (out.metrics.accept_length, out.metrics.acceptance) == (want.metrics.accept_length,
                                                                         want.metrics.acceptance)
         assert backend.graphs == graphs
 
 
-def test_live_rows_on_the_draft_forward(target):
-    """The draft forward computes 2K rows per request and keeps K: after the KV write, attention's
-    queries, o_proj, the MLP, the norms and lm_head run on K rows per request; same outputs and caches."""
+@pytest.mark.parametrize("layers", [1, 2])
+def test_live_rows_on_the_draft_forward(target, layers):
+    """The draft forward computes 2K rows per request and keeps K: after the last layer's KV write,
+    its attention's queries, o_proj, the MLP, the norms and lm_head run on K rows per request (the
+    layers before it on every row: the last layer's K/V reads them); same outputs and caches."""
     k, B = 4, 3
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 256, (B, k + 1), generator=g)
@@ -121,7 +128,7 @@ def test_live_rows_on_the_draft_forward(target):
     args = (y, torch.tensor([4, 11, 2]), hidden, torch.tensor([0, 4, 2]), None)  # a = 0, K, 2; greedy
     runs = []
     for compile in ("eager", CountingBackend()):
-        dec = Decoder(target, peagle(), k=k, max_batch=B, max_len=MAX_LEN, compile="eager")
+        dec = Decoder(target, peagle(layers=layers), k=k, max_batch=B, max_len=MAX_LEN, compile="eager")
         step = dec.steps.catch_up if compile == "eager" else torch.compile(dec.steps.catch_up, backend=compile,
                                                                             fullgraph=True)
         d, _, _ = step(*args)
@@ -133,14 +140,16 @@ def test_live_rows_on_the_draft_forward(target):
 
     report = specpass.explain(dec.steps.catch_up, *args)
     (live,) = [f for f in report.of("live_rows") if f.fired and f.rows == (B * 2 * k, B * k)]
-    assert "used by the in-place index_put_" in live.message  # K/V of every row, then K rows per request
+    # One layer: the rows are selected after the K/V write. More: the last layer's K/V projections
+    # read its input norm of every row, so the residual stream is selected where they branch off.
+    assert ("used by the in-place index_put_" if layers == 1 else "needed in full by rms_norm") in live.message
     assert "does not trace" not in str(report)  # the positions' arange: a factory, named as one
     rewritten = specpass.rewrite(specpass.capture(dec.steps.catch_up, *args)).graph_module
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
-    (attention,) = rewritten.graph.find_nodes(op="call_function", target=sdpa)
     config = zoo.config("tiny-llama-peagle3")
     group = config.num_attention_heads // config.num_key_value_heads  # query heads folded into the rows (GQA)
-    assert attention.meta["val"].shape[-2] == k * group  # [B, kv heads, K x group, d]: K query rows per request
+    rows = [n.meta["val"].shape[-2] for n in rewritten.graph.find_nodes(op="call_function", target=sdpa)]
+    assert rows == [2 * k * group] * (layers - 1) + [k * group]  # [B, kv heads, rows x group, d]: K in the last
     lm_head = [n for n in rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
                if n.meta["val"].shape[-1] == zoo.config("tiny-llama-peagle3").draft_vocab_size]
     assert [tuple(n.meta["val"].shape) for n in lm_head] == [(B, k, 96)]
@@ -208,3 +217,43 @@ def test_a_finished_request_s_draft_forward_fits_the_cache(target):
     with pytest.raises(ValueError, match=f"raise max_len to {max_len}"):
         Decoder(target, ExactParallelCopy(target), k=k, max_batch=2, max_len=max_len - 1,
                 compile="eager").generate(prompts, limits)
+
+
+def test_a_two_layer_head_loads_from_vllm_s_names(tmp_path):
+    """A deeper EAGLE-3 head's checkpoint names its layers as vLLM's llama_eagle3.py loads them:
+    layers.0 the midlayer (with hidden_norm, 2H attention input), layers.1 a plain decoder layer;
+    config.json's num_hidden_layers says how many. One-layer checkpoints keep `midlayer.*`."""
+    from safetensors import safe_open
+
+    from models.checkpoint import CheckpointError, load, save
+    from models.drafters import load_drafter
+
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight",
+                 *(f"self_attn.{p}_proj.weight" for p in "qkvo"), *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))]
+    vllm_names = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "mask_hidden", "layers.0.hidden_norm.weight",
+                  *(f"layers.{i}.{n}" for i in (0, 1) for n in per_layer)}
+    for layers, names in ((2, vllm_names), (1, {n.replace("layers.0.", "midlayer.") for n in vllm_names - {
+            n for n in vllm_names if n.startswith("layers.1.")}})):
+        head = peagle(seed=4, layers=layers).model
+        save(head, head.config, tmp_path / str(layers))
+        with safe_open(str(tmp_path / str(layers) / "model.safetensors"), "pt") as f:
+            assert set(f.keys()) == names
+        config = json.loads((tmp_path / str(layers) / "config.json").read_text())
+        assert config["num_hidden_layers"] == layers and config["parallel_drafting"]
+
+    target = zoo.build("tiny-llama", seed=0)
+    loaded = load_drafter(target, "parallel", tmp_path / "2")
+    assert loaded.model.config.num_hidden_layers == 2 and len(loaded.model.layers) == 2
+    saved = peagle(seed=4, layers=2).model
+    saved.embed_tokens.weight = target.model.embed_tokens.weight
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randint(0, 256, (2, 5), generator=g), torch.arange(5).expand(2, -1),
+            torch.randn(2, 5, 3 * saved.config.target_hidden_size, generator=g), torch.tensor([1, 4]), 3)
+    for model in (saved, loaded.model):
+        model.setup_caches(2, 16)
+    torch.testing.assert_close(loaded.model.draft_parallel(*args), saved.draft_parallel(*args), rtol=0, atol=0)
+
+    config["num_hidden_layers"] = 3  # a config that promises a layer the weights lack
+    (tmp_path / "2" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="layers.2"):
+        load(ParallelEagle3Head, tmp_path / "2", shared={"embed_tokens.weight": target.model.embed_tokens.weight})

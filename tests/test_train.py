@@ -2,6 +2,7 @@
 Llama forward, and EAGLE-3's training-time test row for row against catch-up + draft steps with
 ZooDrafter's alignment — and a CPU smoke run trains, evaluates and writes loadable folders."""
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -135,6 +136,27 @@ def test_cpu_smoke_run_trains_and_writes_loadable_folders(tmp_path, capsys):
     assert resumed["eval"]["target_loss"] == pytest.approx(ev["target_loss"], rel=1e-6)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_parallel_rows_are_the_draft_forward(layers):
+    """Row (s, j) of the training forward == row j of inference's draft forward with slot s the last
+    verified one (its mask slots after it), in every layer of a one- and a two-layer head. fp32."""
+    cfg = dataclasses.replace(zoo.config("tiny-llama-peagle3"), num_hidden_layers=layers)
+    head = zoo.build(cfg, seed=5)
+    T, K = 9, 4
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 256, (1, T), generator=g)
+    features = torch.randn(1, T, 3 * cfg.target_hidden_size, generator=g)
+    for s in (0, 4, T - 1):
+        anchor = torch.cat([torch.arange(T), torch.full((K - 1,), s)])
+        depth = torch.cat([torch.zeros(T, dtype=torch.long), torch.arange(1, K)])
+        with torch.no_grad():
+            rows = train.parallel_rows(head, tokens, features, anchor, depth)[0]  # [T + K - 1, Vd]
+            head.setup_caches(1, T + K)
+            want = head.draft_parallel(tokens[:, : s + 1], torch.arange(s + 1)[None], features[:, : s + 1],
+                                       torch.tensor([s]), K)[0]  # [K, Vd]
+        close(torch.cat([rows[s : s + 1], rows[T:]]), want)
+
+
 @pytest.mark.parametrize("weigh", ["depth", "row"])
 def test_parallel_kl_weights(weigh):
     torch.manual_seed(0)
@@ -174,6 +196,24 @@ def test_parallel_head_starts_from_the_chain_head(tmp_path):
     first, final = log["parallel"]["loss_first"], log["parallel"]["loss_final"]
     assert all(b < a for a, b in zip(first, final)), (first, final)
     assert log["parallel"]["loss_parts"][0] == "kl weighted by row" and len(log["eval"]["agreement"]) == 4
+
+    # Two layers: the chain head's midlayer is layers.0, and layers.1 starts adding nothing, so the
+    # untrained head drafts as the chain head does (depth 0: the chain head's catch-up).
+    train.main([*common, "--layers", "2", "--drafts-steps", "1", "--drafts-lr", "0", "--out", str(tmp_path / "two")])
+    two = load(train.ParallelEagle3Head, tmp_path / "two" / "stdlib-llama-peagle3", shared={"embed_tokens.weight": embed})
+    assert two.config.num_hidden_layers == 2 and not hasattr(two, "midlayer")
+    for name, tensor in chain.state_dict().items():
+        assert torch.equal(two.state_dict()[name.replace("midlayer.", "layers.0.")], tensor), name
+    later = two.layers[1]
+    assert not later.self_attn.o_proj.weight.any() and not later.mlp.down_proj.weight.any()
+    assert later.self_attn.q_proj.weight.any()
+    tokens = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+    hidden = torch.randn(2, 7, 3 * chain.config.target_hidden_size, generator=torch.Generator().manual_seed(4))
+    for model in (chain, two):
+        model.setup_caches(2, 8)
+    with torch.no_grad():
+        close(two.forward_rows(tokens, torch.arange(7).expand(2, -1), hidden.bfloat16())[0],
+              chain.forward_rows(tokens, torch.arange(7).expand(2, -1), hidden.bfloat16())[0])
 
     bad = [*SMOKE, "--parallel", "--target", str(target_dir), "--init-from", str(target_dir), "--drafts-steps", "1"]
     with pytest.raises(Exception, match="stdlib-llama"):
