@@ -31,7 +31,7 @@ def prompts():
 
 def test_shipped_files_fit_the_budget():
     files = [f for f in CHECKPOINTS.rglob("*") if f.is_file()]
-    assert sum(f.stat().st_size for f in files) <= 52e6  # 50e6 before the parallel head (4.7 MB)
+    assert sum(f.stat().st_size for f in files) <= 55e6  # 50e6 before the parallel head (4.7 MB; 7.9 MB with two layers)
     assert all(f.stat().st_size < 16 * 2**20 for f in files)
 
 
