@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from specpass.graph import bind, emit, known, val
+from specpass.graph import bind, emit, known, static_int, val
 from specpass.kernels import attend_split_refusal
 from specpass.options import Options
 from specpass.report import Finding
@@ -81,8 +81,8 @@ def _rewrite(node: fx.Node) -> str:
         raise _Refuse(f"dropout_p={args['dropout_p']!r}: the kernel draws no random numbers")
     if args["is_causal"] is not False:
         raise _Refuse("is_causal: the kernel reads an explicit mask")
-    B, hq, T, d = q.shape
-    hk, S = k.shape[1], k.shape[2]
+    B, hq, T, d = (static_int(x) for x in q.shape)  # a size pinned to one value is that int
+    hk, S = static_int(k.shape[1]), k.shape[2]
     if args.get("enable_gqa") is not True:
         raise _Refuse(f"enable_gqa is not set ({hq} query heads, {hk} K/V heads): with one query head per K/V "
                       "head SDPA reads every K/V head once already")
