@@ -114,7 +114,7 @@ def attend_folded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -
     B, T, hq, d = q.shape
     S, hk, dv = v.shape[1], v.shape[2], v.shape[3]
     g = hq // hk
-    q = q.reshape(B, T, hk, g, d).transpose(1, 2).reshape(B, hk, T * g, d)  # [B, hk, T*g, d]
+    q = q.view(B, T, hk, g, d).transpose(1, 2).reshape(B, hk, T * g, d)  # [B, hk, T*g, d]
     mask = mask[:, :, :, None, :].expand(B, 1, T, g, S).reshape(B, 1, T * g, S)
     out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
     return out.view(B, hk, T, g, dv).transpose(1, 2).reshape(B, T, hq, dv)  # [B, hk, T*g, dv] -> [B, T, hq, dv]
@@ -155,7 +155,7 @@ def attend_split(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) ->
     """Split-KV attention (flash-decoding): the slots in chunks, each chunk's partial output and
     log-sum-exp, merged (kernels/triton_attention.py, imported on first use; see
     `attend_split_refusal` for what it takes). Elsewhere the folded SDPA it replaces."""
-    return attend_folded(q, k, v, mask, scale)
+    return attend_folded(q.contiguous(), k, v, mask, scale)  # any strides of q, as the kernel
 
 
 @attend_split.register_kernel("cuda")
