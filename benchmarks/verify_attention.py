@@ -12,7 +12,7 @@ round sees (a few slots of the static cache past them are stale). Candidates:
   flex_gqa       FlexAttention with enable_gqa, block mask built once
   efficient_split  SDPA's efficient kernel with its log-sum-exp on S chunks moved into the batch
                  axis, merged by log-sum-exp (bias built once)
-  triton_split   models/triton_attention.py at its own chunk count (and the best config swept)
+  triton_split   specpass/kernels/triton_attention.py at its own chunk count (and the best config swept)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def copy_bandwidth() -> float:
 
 
 def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
-    from models.triton_attention import attend_split
+    from specpass.kernels.triton_attention import attend_split
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     g = torch.Generator(device="cuda").manual_seed(bs * S + T)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from specpass.kernels import attend_folded, attend_split_refusal
 
 
 # --- RoPE (Hugging Face's "default" rope: rotate_half, cos/sin in fp32, cast to the activations)
@@ -65,9 +66,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     token, `[B, hk, Tq * g, d]` (token-major, so a row gather on Tq still maps to whole blocks of
     rows), and each K/V head is read once; with an explicit mask, `enable_gqa` goes to kernels that
     read K/V once per query head. On CUDA, a few such rows (Tq * g <= 64, Tq static: a verify or a
-    catch-up; a prefill's symbolic length keeps SDPA and one graph for every length) go to
-    `attend_split` instead: SDPA runs one program per (request, K/V head) over
-    every slot, 128 programs at bs 16 (cuDNN: 187 µs at 16 x 4K slots, H100, against 128 µs
+    catch-up; a prefill's symbolic length keeps SDPA and one graph for every length) go to the
+    library's split-KV op `torch.ops.specpass.attend_split` instead: SDPA runs one program per
+    (request, K/V head) over every slot, 128 programs at bs 16 (cuDNN: 187 µs at 16 x 4K slots, H100, against 128 µs
     split; faster at every verify shape measured, benchmarks/verify_attention.py). One token per
     request (a decode or draft step) stays SDPA's own GQA, the call transformers makes: folded, its
     g rows go through other matmul paths than one row and round differently (CPU), which flips near
@@ -80,50 +81,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=mask, scale=scale, enable_gqa=g != 1)
         return out.transpose(1, 2)
-    if q.is_cuda and statically_known_true(T * g <= 64) and _split_kv_fits(q, v, mask):  # symbolic T: False, no guard
-        return attend_split(q, k, v, mask, scale)
-    return _attend_folded(q, k, v, mask, scale)
-
-
-def _attend_folded(q, k, v, mask, scale):
-    B, T, hq, d = q.shape
-    S, hk, dv = v.shape[1], v.shape[2], v.shape[3]
-    g = hq // hk
-    q = q.view(B, T, hk, g, d).transpose(1, 2).reshape(B, hk, T * g, d)  # [B, hk, T*g, d]
-    mask = mask[:, :, :, None, :].expand(B, 1, T, g, S).reshape(B, 1, T * g, S)
-    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
-    return out.view(B, hk, T, g, dv).transpose(1, 2).reshape(B, T, hq, dv)  # [B, hk, T*g, dv] -> [B, T, hq, dv]
-
-
-def _split_kv_fits(q, v, mask) -> bool:
-    """The kernel's limits: 16-bit dtypes (its dots), power-of-two head sizes, a bool mask of its own
-    shape `[B, 1, T, S]` (not broadcast)."""
-    d, dv = q.shape[-1], v.shape[-1]
-    return (q.dtype in (torch.bfloat16, torch.float16) and v.dtype == q.dtype and mask.dtype == torch.bool
-            and tuple(mask.shape) == (q.shape[0], 1, q.shape[1], v.shape[1])
-            and all(16 <= n <= 256 and n & (n - 1) == 0 for n in (d, dv)))
-
-
-@torch.library.custom_op("specpass_zoo::attend_split", mutates_args=())
-def attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """`attend` of several tokens, split-KV (flash-decoding): the slots in chunks, each chunk's
-    partial output and log-sum-exp, merged. On CUDA models/triton_attention.py (Triton, imported on
-    first use); elsewhere the folded SDPA it replaces. An op of its own, so Inductor calls the kernel
-    as one extern kernel and CUDA graphs capture it; passes see an op they do not know (no Q-slice
-    through it: rows are gathered after it)."""
-    return _attend_folded(q, k, v, mask, scale)
-
-
-@attend_split.register_kernel("cuda")
-def _(q, k, v, mask, scale):
-    from models import triton_attention
-
-    return triton_attention.attend_split(q, k, v, mask, scale)
-
-
-@attend_split.register_fake
-def _(q, k, v, mask, scale):
-    return q.new_empty(*q.shape[:3], v.shape[3])
+    if attend_split_refusal(q, k, v, mask) is None:  # CUDA, T * g <= 64 (symbolic T: refused, no guard), ...
+        return torch.ops.specpass.attend_split(q, k, v, mask, scale)
+    return attend_folded(q, k, v, mask, scale)
 
 
 class Attention(nn.Module):

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.fx as fx
 
+from specpass import kernels  # noqa: F401  (registers torch.ops.specpass.*, counted below)
 from specpass.graph import val
 
 aten = torch.ops.aten
@@ -96,13 +97,14 @@ def node_matmul_flops(node: fx.Node) -> int:
     out = _val(node)
     if out is None:
         return 0
-    if node.target is aten.scaled_dot_product_attention.default:
+    attention = {aten.scaled_dot_product_attention.default: -2, torch.ops.specpass.attend_split.default: 1}
+    if node.target in attention:  # the slot axis of k: SDPA's [*, S, E], attend_split's [B, S, hk, E]
         q, k, v = (_val(a) for a in node.args[:3])
         if q is None or k is None or v is None:
             return 0
         # QK^T and PV: [*, L, E] x [*, S, E] and [*, L, S] x [*, S, Ev] over q's batch dims.
         rows = q.numel() // q.shape[-1]
-        return 2 * rows * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+        return 2 * rows * k.shape[attention[node.target]] * (q.shape[-1] + v.shape[-1])
     first_operand = {
         aten.linear.default: 0,
         aten.mm.default: 0,

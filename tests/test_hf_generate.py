@@ -83,6 +83,16 @@ def test_standalone_draft_equals_generate(family, rows):
     assert 1 < out.metrics.accept_length < K + 1  # some drafts rejected, some accepted
 
 
+def test_eager_attention_gets_the_additive_mask():
+    """SDPA models get a bool mask (what the split-KV kernel reads), eager attention the additive one
+    it adds to its scores: a bool mask there would add 1 where a slot is seen and hide nothing."""
+    model = build("llama", attn_implementation="eager")
+    draft = build("llama", noise=0.1, attn_implementation="eager")
+    out = ours(model, IDS, MASK, assistant_model=draft)
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    assert HFTarget(build("llama")).mask_dtype == torch.bool and HFTarget(model).mask_dtype == torch.float32
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_eagle3_head_equals_generate(family):
     model = build(family)

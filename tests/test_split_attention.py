@@ -1,14 +1,15 @@
-"""The zoo's split-KV attention kernel (models/triton_attention.py, `specpass_zoo::attend_split`) on
-a GPU: values against fp32 math at verify and catch-up shapes, chunks whose slots a row never sees,
-every chunk count, an expanded mask; and `attend` routing to it inside a compiled, CUDA-graphed
-function. Skipped without CUDA (CI has none; on CPU `attend` keeps the folded SDPA, which the model
-tests cover): run through the device machine."""
+"""The library's split-KV attention kernel (specpass/kernels/triton_attention.py,
+`torch.ops.specpass.attend_split`) on a GPU: values against fp32 math at verify and catch-up
+shapes, chunks whose slots a row never sees, every chunk count, an expanded mask; and the zoo's
+`attend` routing to it inside a compiled, CUDA-graphed function. Skipped without CUDA (CI has none;
+on CPU `attend` keeps the folded SDPA, which the model tests cover): run through the device machine."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from models.layers import _attend_folded, attend
+from models.layers import attend
+from specpass.kernels import attend_folded
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel needs a CUDA GPU and Triton")
 
@@ -35,12 +36,12 @@ def _reference(q, k, v, mask, scale):
                                             (3, 9, 32, 8, 700, 128), (2, 2, 8, 2, 300, 64), (4, 3, 4, 4, 200, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_matches_fp32_math_as_closely_as_sdpa(B, T, hq, hk, S, d, dtype):
-    from models.triton_attention import attend_split
+    from specpass.kernels.triton_attention import attend_split
 
     q, k, v, mask = _case(B, T, hq, hk, S, d, dtype)
     scale = d**-0.5
     want = _reference(q, k, v, mask, scale)
-    sdpa_err = (_attend_folded(q, k, v, mask, scale).float() - want).abs().max().item()
+    sdpa_err = (attend_folded(q, k, v, mask, scale).float() - want).abs().max().item()
     for splits in (None, 1, 2, 7, 64):  # the chosen count, none, a ragged one, more chunks than blocks
         got = attend_split(q, k, v, mask, scale, splits=splits)
         assert got.shape == q.shape and got.dtype == dtype
@@ -50,14 +51,14 @@ def test_matches_fp32_math_as_closely_as_sdpa(B, T, hq, hk, S, d, dtype):
 
 @cuda
 def test_expanded_mask_and_strided_query():
-    from models.triton_attention import attend_split
+    from specpass.kernels.triton_attention import attend_split
 
     q, k, v, mask = _case(4, 5, 32, 8, 1000, 128)
     q = torch.randn(4, 5, 32, 256, device="cuda", dtype=torch.bfloat16)[..., ::2]  # a non-unit last stride
     shared = mask[:1].expand(4, 1, 5, 1000)  # stride 0 along the batch
     want = _reference(q, k, v, shared, 128**-0.5)
     err = (attend_split(q, k, v, shared, 128**-0.5).float() - want).abs().max().item()
-    assert err <= 2 * (_attend_folded(q, k, v, shared, 128**-0.5).float() - want).abs().max().item() + 1e-3
+    assert err <= 2 * (attend_folded(q, k, v, shared, 128**-0.5).float() - want).abs().max().item() + 1e-3
 
 
 @cuda
@@ -72,4 +73,4 @@ def test_attend_routes_to_the_op_compiled_with_cuda_graphs():
         out = compiled(q, k, v, mask, scale)
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     err = (out.float() - _reference(q, k, v, mask, scale)).abs().max().item()
-    assert err <= 2 * (_attend_folded(q, k, v, mask, scale).float() - _reference(q, k, v, mask, scale)).abs().max() + 1e-3
+    assert err <= 2 * (attend_folded(q, k, v, mask, scale).float() - _reference(q, k, v, mask, scale)).abs().max() + 1e-3

@@ -103,6 +103,8 @@ class HFTarget(nn.Module):
         self.cache_keyword = cache_keyword(model)  # read once: `run` is called every step
         self.cache: PositionCache | None = None
         self.window: int | None = None
+        # SDPA reads a bool mask; eager attention adds the mask to its scores
+        self.mask_dtype = torch.bool if model.config._attn_implementation == "sdpa" else model.dtype
 
     def setup_caches(self, max_batch: int, max_len: int) -> None:
         limit = getattr(self.model.config, "max_position_embeddings", None)
@@ -117,7 +119,7 @@ class HFTarget(nn.Module):
     def run(self, tokens: Tensor, positions: Tensor, hidden_states: bool = False):
         """tokens, positions [B, T] -> the model's output (logits [B, T, V])."""
         self.cache.positions = positions
-        mask = visible(positions, self.cache.slots, self.window, self.model.dtype)  # [B, 1, T, S]
+        mask = visible(positions, self.cache.slots, self.window, self.mask_dtype)  # [B, 1, T, S]
         return self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
                           **{self.cache_keyword: self.cache}, use_cache=True,
                           output_hidden_states=hidden_states)

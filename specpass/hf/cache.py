@@ -71,12 +71,14 @@ class PositionCache(Cache):
 
 
 def visible(positions: Tensor, cache_len: int, window: int | None, dtype: torch.dtype) -> Tensor:
-    """positions [B, T] -> the additive mask [B, 1, T, S]: row t of request b sees slots
+    """positions [B, T] -> the mask [B, 1, T, S]: row t of request b sees slots
     positions[b, t] - window < s <= positions[b, t] (no lower bound without a sliding window).
-    Additive (0 / the dtype's min), which both SDPA and eager attention read."""
+    dtype bool: True where seen, what SDPA reads and transformers itself passes it (and what the
+    split-KV kernel takes, passes/split_kv.py); a float dtype: additive (0 / the dtype's min), what
+    eager attention adds to its scores."""
     slots = torch.arange(cache_len, device=positions.device)  # [S]
     query = positions[:, None, :, None]  # [B, 1, T, 1]
     seen = slots <= query
     if window is not None:
         seen &= slots > query - window
-    return (~seen).to(dtype) * torch.finfo(dtype).min
+    return seen if dtype == torch.bool else (~seen).to(dtype) * torch.finfo(dtype).min

@@ -1,5 +1,5 @@
-"""Split-KV attention (flash-decoding) in Triton: the CUDA kernel of `torch.ops.specpass_zoo.attend_split`
-(models/layers.py), imported on its first call (Triton is not needed on CPU).
+"""Split-KV attention (flash-decoding) in Triton: the CUDA kernel of `torch.ops.specpass.attend_split`
+(kernels/__init__.py), imported on its first call (Triton is not needed on CPU).
 
 A few query rows per request against a long cache: one program per (request, K/V head) would stream
 all S slots alone, 128 programs at bs 16 on 132 SMs, far from the copy bandwidth. Here each
@@ -78,7 +78,7 @@ def _merge(Part, Lse, Out, so_b, so_t, so_h, T, HK, splits,
         acc = acc * alpha[:, None] + w[:, None] * tl.load(Part + part[:, None] * DV + offs_dv[None, :])
         l = l * alpha + w
         m = m_new
-    out = acc / l[:, None]
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row that sees no slot: 0, as SDPA's kernels
     tl.store(Out + b * so_b + t[:, None] * so_t + (h * G + rows % G)[:, None] * so_h + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=(t < T)[:, None])
 
