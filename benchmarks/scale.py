@@ -23,7 +23,8 @@ Per point (batch size x prompt length), each variant is built, compiled, timed a
 At --tune-at points the loop picks K itself (`Decoder.tune_k` at --tune-ks, the shipped acceptance),
 and the chosen K's tokens/s is set against the best K timed: the chosen K and the --k-sweep K are
 timed on the tuning decoder, which keeps every K it compiled. Processes started side by side with
-one --gpu-lock file compile at once and take turns to time (each holds the GPU alone while it times).
+one --gpu-lock file compile at once and take turns to time (each holds the GPU alone while it times;
+another's compile may still run its warm-up on the GPU then: a row's samples_ms shows it).
 ms per round = (loop time of a long generate - loop time of a short one) / (rounds difference):
 prefill, the first round's warm-up and the one round run after the last cancel out. At --direct-at
 points (64 x 4K: the prefill's logits alone would take 67 GB) the rounds run from a one-token
@@ -194,7 +195,7 @@ class Bench:
                        mode=self.mode, fused_round=fused, compile_prefill=False)  # its time cancels out
 
     def round_ms(self, dec: Decoder, prompts, short: int, long: int) -> tuple[float, dict]:
-        """ms per round from the difference of a long and a short generate (median of repeats)."""
+        """ms per round from the difference of a long and a short generate (median of repeats; each in samples_ms)."""
         dec.generate(prompts, short)  # compiles, records the CUDA graphs
         samples = []
         with exclusive(self.args.gpu_lock):
@@ -202,7 +203,8 @@ class Bench:
                 a, b = (dec.generate(prompts, n).metrics for n in (short, long))
                 loop_seconds = (b.seconds - b.prefill_seconds) - (a.seconds - a.prefill_seconds)
                 samples.append(loop_seconds / (b.rounds - a.rounds))
-        return 1e3 * statistics.median(samples), dict(prefill_ms=1e3 * a.prefill_seconds)
+        return 1e3 * statistics.median(samples), dict(prefill_ms=1e3 * a.prefill_seconds,
+                                                      samples_ms=[1e3 * s for s in samples])
 
     def round_ms_direct(self, dec: Decoder, prompts, short: int, long: int) -> tuple[float, dict]:
         """ms per round without the prefill, whose logits do not fit at 64 x 4K (67 GB): a one-token
@@ -230,7 +232,7 @@ class Bench:
                 start = dec._clock()
                 rounds(long - short)
                 samples.append((dec._clock() - start) / (long - short))
-        return 1e3 * statistics.median(samples), dict(prefill_ms=0.0)
+        return 1e3 * statistics.median(samples), dict(prefill_ms=0.0, samples_ms=[1e3 * s for s in samples])
 
     def release(self):
         torch._dynamo.reset()  # frees the compiled graphs and their CUDA-graph pools
