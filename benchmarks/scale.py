@@ -20,8 +20,8 @@ Per point (batch size x prompt length), each variant is built, compiled, timed a
                  count, instead of `attend`'s fold of several tokens' query heads (at --gqa-at points)
   apart          specpass, steps compiled apart, CUDA events after each step: the phase split
                  (draft / verify / accept / catch-up) (at --apart-at points)
-At --tune-at points the loop picks K itself (`Decoder.tune_k` at --tune-ks, the shipped acceptance),
-and the chosen K's tokens/s is set against the best K timed: the chosen K and the --k-sweep K are
+At --tune-at points the loop picks K itself (`Decoder.tune_k` at --tune-ks, the shipped acceptance,
+then its search), and the chosen K's tokens/s is set against the best K timed: the chosen K and the --k-sweep K are
 timed on the tuning decoder, which keeps every K it compiled. Processes started side by side with
 one --gpu-lock file compile at once and take turns to time (each holds the GPU alone while it times;
 another's compile may still run its warm-up on the GPU then: a row's samples_ms shows it).
@@ -33,7 +33,10 @@ prefill with every request moved to the prompt's position, timed over the same r
 Floors: each phase's weight and KV-cache bytes over the copy bandwidth measured in the same run,
 and its matmul and attention FLOPs over the bf16 matmul rate measured in the same run; a phase's
 floor is the larger of the two, a round's the sum of its phases'. Attention bytes count the slots a
-request can see (its prompt plus what it has generated), not the whole static cache.
+request can see (its prompt plus what it has generated), not the whole static cache. At --gemm-at
+points (K: --gemm-ks) every linear is also timed alone through cuBLAS at its rows (`gemm_floor`): the
+verify's GEMMs against the decode step's, and the round / decode the floors would give with the
+GEMMs at that measured time.
 """
 
 from __future__ import annotations
@@ -127,8 +130,10 @@ def attention_cost(attn: nn.Module, batch: int, queries: int, context: int, item
     return kv, 4 * batch * queries * context * attn.n_heads * attn.head_dim
 
 
-def floors(target, head, bs: int, k: int, context: int, ceil: dict) -> dict[str, float]:
-    """ms floor of the decode step and of each phase of a round with K drafts (see the module doc)."""
+def floors(target, head, bs: int, k: int, context: int, ceil: dict, gemm=None) -> dict[str, float]:
+    """ms floor of the decode step and of each phase of a round with K drafts (see the module doc).
+    gemm(linears, rows) -> ms: the linears at that measured time instead (`gemm_floor`), the rest
+    (attention) at its floor."""
     item = next(target.parameters()).element_size()
     t_lin = [m for m in target.modules() if isinstance(m, nn.Linear)]
     t_attn = [layer.self_attn for layer in target.model.layers]
@@ -137,33 +142,71 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict) -> dict[str,
     h_rows_all = [head.fc, h_attn.k_proj, h_attn.v_proj]  # catch-up: K/V of every row, the rest on the live row
     h_live = [m for m in h_all if m not in h_rows_all]
 
+    def lin(linears, rows):  # (bytes, FLOPs, measured ms)
+        return (*linear_cost(linears, rows), 0.0) if gemm is None else (0.0, 0.0, gemm(linears, rows))
+
+    def att(*args):
+        return (*attention_cost(*args), 0.0)
+
     def ms(*costs, flops_only=False):
-        nbytes, flops = map(sum, zip(*costs))
-        return 1e3 * max(0.0 if flops_only else nbytes / ceil["bandwidth"], flops / ceil["flops"])
+        nbytes, flops, measured = map(sum, zip(*costs))
+        return 1e3 * max(0.0 if flops_only else nbytes / ceil["bandwidth"], flops / ceil["flops"]) + measured
 
     def target_step(rows_per_request):
-        return ms(linear_cost(t_lin, bs * rows_per_request),
-                  *(attention_cost(a, bs, rows_per_request, context, item) for a in t_attn))
+        return ms(lin(t_lin, bs * rows_per_request),
+                  *(att(a, bs, rows_per_request, context, item) for a in t_attn))
 
     out = dict(decode=target_step(1))
     if k and hasattr(head, "draft_parallel"):  # one draft forward: 2K rows write K/V, K live rows go on
         out.update(draft=0.0, verify=target_step(k + 1), accept=0.0,
-                   catch_up=ms(linear_cost(h_rows_all, bs * 2 * k), linear_cost(h_live, bs * k),
-                               attention_cost(h_attn, bs, k, context, item)))
+                   catch_up=ms(lin(h_rows_all, bs * 2 * k), lin(h_live, bs * k),
+                               att(h_attn, bs, k, context, item)))
         out["round"] = out["verify"] + out["catch_up"]
     elif k:
         out.update(
-            draft=(k - 1) * ms(linear_cost(h_all, bs), attention_cost(h_attn, bs, 1, context, item)),
+            draft=(k - 1) * ms(lin(h_all, bs), att(h_attn, bs, 1, context, item)),
             verify=target_step(k + 1),
             accept=0.0,
-            catch_up=ms(linear_cost(h_rows_all, bs * (k + 1)), linear_cost(h_live, bs),
-                        attention_cost(h_attn, bs, 1, context, item)),
+            catch_up=ms(lin(h_rows_all, bs * (k + 1)), lin(h_live, bs), att(h_attn, bs, 1, context, item)))
+        out["round"] = out["draft"] + out["verify"] + out["catch_up"]
+        if gemm is None:
             # the live-row rewrite's ceiling: the catch-up's FLOP time on every row less on its live rows
             # (it removes no bytes: weights and K/V are read once either way)
-            live_rows_saved=ms(linear_cost(h_live, bs * (k + 1)), attention_cost(h_attn, bs, k + 1, context, item),
-                               flops_only=True)
-            - ms(linear_cost(h_live, bs), attention_cost(h_attn, bs, 1, context, item), flops_only=True))
-        out["round"] = out["draft"] + out["verify"] + out["catch_up"]
+            out["live_rows_saved"] = (
+                ms(lin(h_live, bs * (k + 1)), att(h_attn, bs, k + 1, context, item), flops_only=True)
+                - ms(lin(h_live, bs), att(h_attn, bs, 1, context, item), flops_only=True))
+    return out
+
+
+def gemm_floor(bench, bs: int, k: int, context: int, ceil: dict) -> dict[str, float]:
+    """What the round could reach with its GEMMs as cuBLAS runs them: each step's linears of the
+    target and the head run one after another as the model runs them (bf16 F.linear on the model's
+    own weights, every layer's: no weight stays in L2 that would not; M = their rows: bs for the
+    decode and draft steps, bs x (K+1) for the verify; CUDA-graph replays); the verify's and the
+    decode step's target GEMMs, and `floors` with those times and the attention at its floor."""
+    times: dict[tuple, float] = bench.gemm_times  # (the linears, rows) -> ms, each timed once
+
+    def gemm(linears: list[nn.Linear], rows: int) -> float:
+        key = (*map(id, linears), rows)
+        if key not in times:
+            x = {m.in_features: torch.randn(rows, m.in_features, device=bench.device, dtype=m.weight.dtype)
+                 for m in linears}
+
+            def run():
+                for m in linears:
+                    torch.nn.functional.linear(x[m.in_features], m.weight)
+
+            times[key] = op_ms(run, bench.device)
+        return times[key]
+
+    t_lin = [m for m in bench.target.modules() if isinstance(m, nn.Linear)]
+    best = floors(bench.target, bench.head, bs, k, context, ceil, gemm)
+    out = dict(bs=bs, k=k, decode_gemm_ms=gemm(t_lin, bs), verify_gemm_ms=gemm(t_lin, bs * (k + 1)),
+               decode_best_ms=best["decode"], round_best_ms=best["round"])
+    print(f"  gemm floor bs {bs} K {k}: verify GEMMs {out['verify_gemm_ms']:.3f} ms / decode GEMMs "
+          f"{out['decode_gemm_ms']:.3f} = {out['verify_gemm_ms'] / out['decode_gemm_ms']:.2f}; with the rest at "
+          f"its floor round / decode >= {best['round']:.3f} / {best['decode']:.3f} = "
+          f"{best['round'] / best['decode']:.2f}", file=sys.stderr, flush=True)
     return out
 
 
@@ -182,6 +225,7 @@ class Bench:
         self.mode = "reduce-overhead" if self.device.type == "cuda" else None
         torch._dynamo.config.recompile_limit = 1024
         torch._dynamo.config.cache_size_limit = 1024
+        self.gemm_times: dict[tuple, float] = {}  # `gemm_floor`'s, by the linears and rows
 
     def prompts(self, bs: int, length: int) -> list[list[int]]:
         g = torch.Generator().manual_seed(bs * 7919 + length)
@@ -365,6 +409,16 @@ def graph_ms(fn, calls: int = 20) -> float:
     return gpu_ms(graph.replay) / calls
 
 
+def op_ms(fn, device: torch.device) -> float:
+    """ms per call: CUDA-graph replays on a GPU (`graph_ms`), else the host clock (the CPU run checks the script)."""
+    if device.type == "cuda":
+        return graph_ms(fn, calls=2)
+    fn()
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
 # --- the sweep
 
 
@@ -377,7 +431,7 @@ def sweep(args, save) -> dict:
         ceiling = ceilings(dev)
     bench.release()  # the 4 GB it copied, for processes side by side
     result = dict(env=env, ceilings=ceiling, acceptance=shipped_acceptance(args.drafter), rows=[], attention=[],
-                  profiles={})
+                  profiles={}, gemm_floor=[])
     print(f"# {env}; ceilings {result['ceilings']}", file=sys.stderr, flush=True)
     short, long = args.new_tokens
     k_max = max([args.k, *args.k_sweep])
@@ -388,6 +442,10 @@ def sweep(args, save) -> dict:
                 result["attention"].append(attention_bench(bs, queries, slots, dev))
             print(f"  attention {result['attention'][-1]}", file=sys.stderr, flush=True)
             save(result)
+    for (bs, prompt), k in ((at, k) for at in args.gemm_at for k in args.gemm_ks):
+        with exclusive(args.gpu_lock):
+            result["gemm_floor"].append(dict(prompt=prompt, **gemm_floor(bench, bs, k, prompt + long // 2, ceiling)))
+        save(result)
     for bs, prompt in args.points:
         max_len = cache_slots(prompt, long, k_max, parallel=True)
         context = prompt + long // 2  # slots a request sees, on average over the timed rounds
@@ -441,10 +499,10 @@ def out_of_time(args, result: dict, what: str) -> bool:
 
 
 def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save) -> None:
-    """The loop picks K: `Decoder.tune_k` times the fused specpass round at --tune-ks and prices
-    K = 1..8 at the shipped pair's acceptance; the chosen K and the --k-sweep K it did not time are
-    then timed the same way on its decoder (nearest the chosen first), so the chosen K's tokens/s can
-    be set against the best timed K's."""
+    """The loop picks K: `Decoder.tune_k` times the fused specpass round at --tune-ks, prices
+    K = 1..8 at the shipped pair's acceptance and searches (at most --tune-max-timings more K); the
+    chosen K and the --k-sweep K it did not time are then timed the same way on its decoder (nearest
+    the chosen first), so the chosen K's tokens/s can be set against the best timed K's."""
     short, long = args.new_tokens
     acceptance = result["acceptance"]
     max_len = cache_slots(prompt, long, len(acceptance), parallel=True)
@@ -452,8 +510,17 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save) -> 
     context = prompt + long // 2
     start = time.perf_counter()
     dec = bench.decoder(bs, max_len, args.k, "specpass", True)
+    time_round = dec._round_ms
+
+    def logged(k, *rest):  # each K printed as it is timed: a run cut off still shows what tune_k timed
+        ms, measured_acceptance = time_round(k, *rest)
+        print(f"  bs {bs} prompt {prompt} tune_k timed K {k}: {ms:.3f} ms/round ({time.perf_counter() - start:.0f} s)",
+              file=sys.stderr, flush=True)
+        return ms, measured_acceptance
+
+    dec._round_ms = logged
     tune = lambda repeats: dec.tune_k(prompts, args.tune_ks, acceptance=acceptance,  # noqa: E731
-                                      new_tokens=args.new_tokens, repeats=repeats)
+                                      new_tokens=args.new_tokens, repeats=repeats, max_timings=args.tune_max_timings)
     if args.gpu_lock:  # compiles every K (kept), so that the tuning below only times
         tune(1)
     with exclusive(args.gpu_lock):
@@ -470,7 +537,8 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save) -> 
                                    round_ms=ms, floor_ms=floors(bench.target, bench.head, bs, k, context,
                                                                 result["ceilings"]),
                                    seconds=seconds / len(measured)))
-    result.setdefault("tuned", []).append(dict(bs=bs, prompt=prompt, timed=sorted(choice.round_ms), chosen=choice.k,
+    result.setdefault("tuned", []).append(dict(bs=bs, prompt=prompt, timed=list(choice.round_ms), why=choice.why,
+                                               verified=choice.verified, chosen=choice.k,
                                                tokens_per_ms=choice.tokens_per_ms))
     save(result)
     print(f"  bs {bs} prompt {prompt} tune_k: K {choice.k} of {sorted(choice.tokens_per_ms)}, timed "
@@ -536,6 +604,13 @@ def tables(result: dict) -> str:
             lines.append(f"\nbs {r['bs']} prompt {r['prompt']} K {r['k']}: the live-row rewrite removes at most "
                          f"{saved:.3f} ms of the catch-up's FLOPs (no bytes), {saved / r['round_ms']:.1%} of the "
                          f"plain-Inductor round; specpass removed {removed:.3f} ms ({removed / r['round_ms']:.1%})")
+    if result.get("gemm_floor"):
+        lines += ["", "| bs | K | decode GEMMs ms | verify GEMMs ms | verify / decode GEMMs | decode, GEMMs measured + "
+                  "attention floor, ms | round, same, ms | round / decode |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {g['bs']} | {g['k']} | {g['decode_gemm_ms']:.3f} | {g['verify_gemm_ms']:.3f} | "
+                  f"{g['verify_gemm_ms'] / g['decode_gemm_ms']:.2f} | {g['decode_best_ms']:.3f} | "
+                  f"{g['round_best_ms']:.3f} | "
+                  f"{g['round_best_ms'] / g['decode_best_ms']:.2f} |" for g in result["gemm_floor"]]
     if result["attention"]:
         names = ("cudnn", "efficient", "math", "flex", "cudnn_folded", "efficient_folded")
         lines += ["", "| bs | queries | slots | " + " | ".join(f"{n} µs (max err)" for n in names) + " |",
@@ -614,8 +689,12 @@ def main() -> None:
     parser.add_argument("--attention-at", default="64x64,16x4096", type=points)
     parser.add_argument("--direct-at", default="", type=points,
                         help="points timed without the prefill (it does not fit at 64x4096)")
+    parser.add_argument("--gemm-at", default="", type=points,
+                        help="points where the target's and head's GEMMs are timed alone (cuBLAS): `gemm_floor`")
+    parser.add_argument("--gemm-ks", default="4", type=lambda s: [int(x) for x in s.split(",")], help="K at --gemm-at")
     parser.add_argument("--tune-at", default="", type=points, help="points where Decoder.tune_k picks K")
     parser.add_argument("--tune-ks", default="2,4,6", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--tune-max-timings", type=int, default=4, help="K tune_k's search may time beyond --tune-ks")
     parser.add_argument("--gpu-lock", type=Path, help="a file: processes sharing it take turns to time")
     parser.add_argument("--stop-after", type=float, default=float("inf"),
                         help="seconds: start no variant after this (the device caps a command's time)")
@@ -635,6 +714,7 @@ def main() -> None:
     if args.quick:
         args.points, args.k_sweep, args.k_sweep_at, args.new_tokens, args.repeats = [(2, 16)], [2], [(2, 16)], (4, 12), 1
         args.inductor_at = args.apart_at = args.profile_at = args.gqa_at = args.direct_at = args.tune_at = [(2, 16)]
+        args.gemm_at = [(2, 16)]
         args.tune_ks = [1, 2]
     save = (lambda r: args.out.write_text(json.dumps(r, indent=1))) if args.out else (lambda r: None)
     torch.set_grad_enabled(False)

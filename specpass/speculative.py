@@ -283,25 +283,51 @@ def expected_accept_length(acceptance: Sequence[float]) -> float:
 
 def choose_k(round_ms: dict[int, float], acceptance: Sequence[float]) -> int:
     """The K in 1..len(acceptance) with the most tokens per ms, from measured ms per round at two or
-    more K (`round_ms`, K -> ms) and acceptance per draft position measured at the largest K.
+    more K (`round_ms`, K -> ms, `price`) and acceptance per draft position measured at the largest K.
 
     Chain drafting: whether draft i is accepted depends on drafts 1..i only, so one run at the
-    largest K gives every smaller K's acceptance. A round's cost is linear in K between the measured
-    ones (K-1 draft steps; verify and catch-up over K+1 rows): a least-squares line through them.
+    largest K gives every smaller K's acceptance.
     """
     cost = price(round_ms, len(acceptance))
     return max(cost, key=lambda k: expected_accept_length(acceptance[:k]) / cost[k])
 
 
 def price(round_ms: dict[int, float], k_max: int) -> dict[int, float]:
-    """ms per round for K = 1..k_max: measured where it was, else on the least-squares line through
-    the measured K."""
+    """ms per round for K = 1..k_max: measured where it was; between two measured K on the straight
+    line between them; outside, on the line through the two nearest measured K. The round is not
+    linear in K (the verify's bs x (K+1) rows fill matmul tiles in steps), so a far line only
+    guides `next_k_to_time`. A larger K does more work and the round has a fixed part (the weights
+    read): a K above the measured is priced no lower than the largest measured, one below no lower
+    than the line from the origin to the smallest measured."""
     if len(round_ms) < 2:
         raise ValueError(f"choose_k needs ms per round at two K or more, got {sorted(round_ms)}")
-    ks, ms = list(round_ms), list(round_ms.values())
-    mean_k, mean_ms = sum(ks) / len(ks), sum(ms) / len(ms)
-    slope = sum((k - mean_k) * (m - mean_ms) for k, m in zip(ks, ms)) / sum((k - mean_k) ** 2 for k in ks)
-    return {k: round_ms.get(k, mean_ms + slope * (k - mean_k)) for k in range(1, k_max + 1)}
+    timed = sorted(round_ms)
+
+    def line(a: int, b: int, k: int) -> float:
+        return round_ms[a] + (round_ms[b] - round_ms[a]) * (k - a) / (b - a)
+
+    cost = {}
+    for k in range(1, k_max + 1):
+        below, above = [t for t in timed if t <= k], [t for t in timed if t >= k]
+        if k in round_ms:
+            cost[k] = round_ms[k]
+        elif below and above:
+            cost[k] = line(below[-1], above[0], k)
+        elif below:
+            cost[k] = max(line(below[-2], below[-1], k), round_ms[below[-1]])
+        else:
+            cost[k] = max(line(above[0], above[1], k), round_ms[above[0]] * k / above[0])
+    return cost
+
+
+def next_k_to_time(round_ms: dict[int, float], acceptance: Sequence[float]) -> int | None:
+    """The K that `Decoder.tune_k`'s search times next: of the K `choose_k` picks and its neighbours
+    K-1, K+1 (within 1..len(acceptance)), the untimed one priced best; None when all are timed, so
+    the choice is a measured local optimum."""
+    cost = price(round_ms, len(acceptance))
+    chosen = choose_k(round_ms, acceptance)
+    untimed = [k for k in (chosen - 1, chosen, chosen + 1) if k in cost and k not in round_ms]
+    return max(untimed, key=lambda k: expected_accept_length(acceptance[:k]) / cost[k], default=None)
 
 
 def catch_up(drafter: Drafter, sampled: bool, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor,
@@ -453,9 +479,11 @@ class KChoice:
     """What `Decoder.tune_k` measured and chose."""
 
     k: int  # the K the decoder runs from now on
-    round_ms: dict[int, float]  # K -> measured ms per round
-    acceptance: list[float]  # per draft position 1..N: the candidates are K = 1..N
+    round_ms: dict[int, float]  # K -> measured ms per round, in the order timed
+    acceptance: list[float]  # per draft position 1..N: the candidates are K = 1..N that fit the caches
     tokens_per_ms: dict[int, float]  # K -> the cost model's tokens per ms per request
+    why: dict[int, str]  # K -> why it was timed: given in `ks`, or the search's reason
+    verified: bool  # the chosen K and its neighbours were all timed (False: max_timings stopped the search)
 
 
 COMPILERS = ("specpass", "inductor", "eager")
@@ -603,7 +631,7 @@ class Decoder:
 
     def tune_k(self, prompts: Sequence[Sequence[int]], ks: Sequence[int] = (2, 6), *,
                acceptance: Sequence[float] | None = None, new_tokens: tuple[int, int] = (8, 40),
-               repeats: int = 3) -> KChoice:
+               repeats: int = 3, max_timings: int = 4) -> KChoice:
         """Choose K for this batch size from measured costs, then decode with it (`choose_k`).
 
         Each K in `ks` is compiled (and kept: switching back costs nothing) and its ms per round
@@ -613,7 +641,10 @@ class Decoder:
         depend on what is accepted. acceptance: per draft position 1..N (`Metrics.acceptance` of a
         run at K >= N, e.g. on the traffic this decoder serves); None measures it on `prompts` at the
         largest K timed (chain drafting: one run at the largest K gives every smaller K's). The
-        candidates are K = 1..N, priced on the line through the timed K.
+        candidates are K = 1..N whose caches fit the prompts and `new_tokens[1]`, priced by `price`.
+        Then a local search: while the best-priced K or a neighbour K +- 1 is untimed, time the one
+        `next_k_to_time` names and price again, at most `max_timings` times; so the chosen K is
+        measured, and better than its measured neighbours.
         """
         if self.drafter is None:
             raise ValueError("plain decoding (drafter=None) drafts nothing: there is no K to tune")
@@ -629,6 +660,8 @@ class Decoder:
         if not (_is_int(short) and _is_int(long) and 1 <= short < long) or not _is_int(repeats) or repeats < 1:
             raise ValueError(f"new_tokens must be (short, long) ints with 1 <= short < long and repeats an int >= 1, "
                              f"got {new_tokens!r}, {repeats!r}")
+        if not _is_int(max_timings) or max_timings < 0:
+            raise ValueError(f"max_timings (K timed by the search beyond ks) must be an int >= 0, got {max_timings!r}")
         previous = self.k
         for k in timed:  # every K fits the caches, checked before anything compiles
             self._bind(k)
@@ -637,21 +670,34 @@ class Decoder:
             except ValueError as exc:
                 self._bind(previous)
                 raise ValueError(f"tuning at K = {k}: {exc}") from None
-        round_ms, measured = {}, []
+        parallel = hasattr(self.drafter, "draft_parallel")
+        longest = max(len(p) for p in prompts)
+        fits = lambda k: cache_slots(longest, long, k, parallel) <= self.max_len  # noqa: E731
+        round_ms, why, measured = {}, {}, []
         for k in timed:
-            self._bind(k)
-            self.generate(prompts, short)  # compiles; on a GPU, records the CUDA graphs
-            samples = []
-            for _ in range(repeats):
-                a, b = (self.generate(prompts, n).metrics for n in (short, long))
-                samples.append((b.seconds - b.prefill_seconds - a.seconds + a.prefill_seconds) / (b.rounds - a.rounds))
-            round_ms[k] = 1e3 * statistics.median(samples)
-            measured = b.acceptance
+            round_ms[k], measured = self._round_ms(k, prompts, short, long, repeats)
+            why[k] = "given"
         acceptance = list(measured if acceptance is None else acceptance)
-        chosen = choose_k(round_ms, acceptance)
+        candidates = acceptance[:next((k - 1 for k in range(1, len(acceptance) + 1) if not fits(k)), None)]
+        while (k := next_k_to_time(round_ms, candidates)) is not None and len(why) < len(timed) + max_timings:
+            best = choose_k(round_ms, candidates)
+            why[k] = "priced best" if k == best else f"neighbour of K {best}, priced best"
+            round_ms[k], _ = self._round_ms(k, prompts, short, long, repeats)
+        chosen = choose_k(round_ms, candidates)
         self._bind(chosen)
-        rates = {k: expected_accept_length(acceptance[:k]) / ms for k, ms in price(round_ms, len(acceptance)).items()}
-        return KChoice(chosen, round_ms, acceptance, rates)
+        rates = {k: expected_accept_length(acceptance[:k]) / ms for k, ms in price(round_ms, len(candidates)).items()}
+        return KChoice(chosen, round_ms, acceptance, rates, why, verified=k is None)
+
+    def _round_ms(self, k: int, prompts: Sequence[Sequence[int]], short: int, long: int,
+                  repeats: int) -> tuple[float, list[float]]:
+        """Decode with K from now on; its ms per round (`tune_k`) and the acceptance of the last long run."""
+        self._bind(k)
+        self.generate(prompts, short)  # compiles; on a GPU, records the CUDA graphs
+        samples = []
+        for _ in range(repeats):
+            a, b = (self.generate(prompts, n).metrics for n in (short, long))
+            samples.append((b.seconds - b.prefill_seconds - a.seconds + a.prefill_seconds) / (b.rounds - a.rounds))
+        return 1e3 * statistics.median(samples), b.acceptance
 
     def _clock(self) -> float:
         if self.device.type == "cuda":

@@ -20,7 +20,7 @@ from specpass.capture import to_aten_ir
 from models.checkpoint import save
 from models.drafters import ZooDrafter
 from specpass import speculative
-from specpass.speculative import Decoder, choose_k, expected_accept_length, first_true
+from specpass.speculative import Decoder, choose_k, expected_accept_length, first_true, next_k_to_time, price
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
@@ -375,9 +375,54 @@ def test_choose_k_takes_the_most_tokens_per_ms():
     assert choose_k({2: 10.0, 4: 10.0}, acceptance) == 5  # drafts cost nothing: every one pays
     # round ms = 10 + 2K: tokens per ms 0.150 0.179 0.194 0.200 0.185 for K = 1..5
     assert choose_k({1: 12.0, 5: 20.0}, acceptance) == 4
-    assert choose_k({1: 12.0, 3: 30.0, 5: 20.0}, acceptance) == 5  # measured K keep their cost; K 2, 4 on the line
+    assert choose_k({1: 12.0, 3: 30.0, 5: 20.0}, acceptance) == 5  # measured K keep their cost; K 2, 4 between
     with pytest.raises(ValueError, match="two K"):
         choose_k({4: 10.0}, acceptance)
+
+
+def test_price_between_and_beyond_the_measured_k():
+    assert price({2: 10.0, 4: 20.0, 6: 22.0}, 8) == pytest.approx(
+        {1: 5.0, 2: 10.0, 3: 15.0, 4: 20.0, 5: 21.0, 6: 22.0, 7: 23.0, 8: 24.0})  # each gap on its own line
+    assert price({3: 9.0, 5: 8.0}, 6)[6] == 8.0  # a falling line is cut at the largest measured round
+    assert price({3: 3.0, 5: 9.0}, 2) == pytest.approx({1: 1.0, 2: 2.0})  # not below the line from the origin
+
+
+# The shipped pair's acceptance (docs/e2e.json) and the round's ms at bs 128 x 64 on the H100
+# (docs/results.md, runs 5, 6: K 2-5 measured; K 1 and 6-8 set above the K-2 and K-5 rounds).
+SHIPPED = [0.77, 0.68, 0.60, 0.55, 0.50, 0.44, 0.387, 0.341]
+BS128 = {1: 12.0, 2: 14.49, 3: 15.97, 4: 19.93, 5: 23.72, 6: 27.6, 7: 31.5, 8: 35.4}
+
+
+def search(table, acceptance, timed, max_timings=8):
+    """`Decoder.tune_k`'s search on a cost table: -> (chosen K, the K timed in order)."""
+    round_ms = {k: table[k] for k in timed}
+    while (k := next_k_to_time(round_ms, acceptance)) is not None and len(round_ms) < len(timed) + max_timings:
+        round_ms[k] = table[k]
+    return choose_k(round_ms, acceptance), list(round_ms)
+
+
+def rate(table, acceptance, k):
+    return expected_accept_length(acceptance[:k]) / table[k]
+
+
+def test_the_search_finds_the_best_k_where_the_round_is_not_linear():
+    best = max(range(1, 9), key=lambda k: rate(BS128, SHIPPED, k))
+    assert best == 3 and choose_k({2: BS128[2], 4: BS128[4]}, SHIPPED) == 5  # the two timed K alone miss it
+    chosen, timed = search(BS128, SHIPPED, [2, 4])
+    assert chosen == best and timed == [2, 4, 5, 3]  # K 5 priced best, measured slower; then K 4's neighbour 3
+    assert search(BS128, SHIPPED, [2, 4], max_timings=1) == (4, [2, 4, 5])  # the bound holds; K 4 priced best
+
+
+@pytest.mark.parametrize("fixed, per_k", [(10.0, 2.0), (10.0, 0.5), (5.0, 6.0)])
+def test_the_search_on_a_linear_round_keeps_the_lines_choice(fixed, per_k):
+    acceptance = [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
+    table = {k: fixed + per_k * k for k in range(1, 9)}
+    best = max(table, key=lambda k: rate(table, acceptance, k))
+    chosen, timed = search(table, acceptance, [2, 6])
+    assert chosen == best == choose_k({2: table[2], 6: table[6]}, acceptance)
+    assert set(timed) - {2, 6} <= {best - 1, best, best + 1}  # only the chosen K and its neighbours
+    around = [k for k in (best - 1, best, best + 1) if 1 <= k <= 8]
+    assert search(table, acceptance, around) == (best, around)  # timed already: nothing more
 
 
 class Slow(ZooDrafter):
@@ -406,10 +451,43 @@ def test_tune_k_picks_the_fastest_k_and_decodes_with_it(target, monkeypatch, cat
     dec = Decoder(target, Slow(zoo.build("tiny-llama-eagle3", seed=3), clock, catch_up_s, draft_s), k=4,
                   max_batch=len(PROMPTS), max_len=MAX_LEN + 2, compile="eager")
     choice = dec.tune_k(PROMPTS, (2, 6), acceptance=acceptance, new_tokens=(2, 6), repeats=1)
-    assert choice.round_ms == pytest.approx({k: 1e3 * (catch_up_s + (k - 1) * draft_s) for k in (2, 6)})
-    assert choice.k == want == dec.k, choice
+    assert choice.round_ms == pytest.approx({k: 1e3 * (catch_up_s + (k - 1) * draft_s) for k in choice.round_ms})
+    assert choice.k == want == dec.k and choice.verified, choice
+    assert {2, 6, want} <= set(choice.round_ms) <= {2, 6, want - 1, want, want + 1}
     out = dec.generate(PROMPTS, NEW)
     assert out.tokens == greedy(target).tokens and len(out.metrics.acceptance) == want
+
+
+class Stepped(ZooDrafter):
+    """A drafter whose catch-up moves a virtual clock by table[K] (its K+1 rows a round), any shape."""
+
+    def __init__(self, model, clock, table):
+        super().__init__(model)
+        self.clock, self.table = clock, table
+
+    def catch_up(self, tokens, *args):
+        self.clock.now += self.table.get(tokens.shape[1] - 1, 0.0)  # the prefill's catch-up: not in the table
+        return super().catch_up(tokens, *args)
+
+
+def test_tune_k_searches_until_its_k_and_neighbours_are_timed(target, monkeypatch):
+    clock = types.SimpleNamespace(now=0.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: clock.now)
+    table = {k: ms / 1e3 for k, ms in BS128.items() if k <= 6}
+
+    def tune(**kw):
+        dec = Decoder(target, Stepped(zoo.build("tiny-llama-eagle3", seed=3), clock, table), k=4,
+                      max_batch=len(PROMPTS), max_len=MAX_LEN + 2, compile="eager")
+        return dec, dec.tune_k(PROMPTS, (2, 4), acceptance=SHIPPED[:6], new_tokens=(2, 6), repeats=1, **kw)
+
+    dec, choice = tune()
+    assert choice.k == dec.k == 3 and choice.verified
+    assert choice.why == {2: "given", 4: "given", 5: "priced best", 3: "neighbour of K 4, priced best"}
+    assert choice.round_ms == pytest.approx({k: BS128[k] for k in (2, 4, 5, 3)})
+    dec, choice = tune(max_timings=1)
+    assert list(choice.round_ms) == [2, 4, 5] and choice.k == dec.k == 4 and not choice.verified
+    dec, choice = tune(max_timings=0)
+    assert list(choice.round_ms) == [2, 4] and choice.k == 5 and not choice.verified  # the cost model's K, untimed
 
 
 def test_tune_k_measures_acceptance_at_the_largest_k(target):
@@ -427,7 +505,7 @@ def test_tune_k_compiles_one_prefill_for_every_k(target):
         backend = CountingBackend()
         dec = Decoder(target, drafter("tiny-llama-eagle3", target), k=2, max_batch=3, max_len=MAX_LEN,
                       compile=backend, fused_round=True, compile_prefill=compile_prefill)
-        dec.tune_k(PROMPTS, (1, 3), new_tokens=(2, 6), repeats=1)
+        dec.tune_k(PROMPTS, (1, 3), new_tokens=(2, 6), repeats=1, max_timings=0)
         assert dec.generate(PROMPTS, 6).tokens == want
         assert backend.graphs == graphs, compile_prefill  # the round at K 1 and at K 3, the prefill once or not
     with pytest.raises(ValueError, match="compile_prefill must be True or False"):
@@ -445,6 +523,8 @@ def test_tune_k_bad_input(target):
         dec.tune_k(PROMPTS, acceptance=[0.5, 1.5])
     with pytest.raises(ValueError, match="short < long"):
         dec.tune_k(PROMPTS, new_tokens=(8, 8))
+    with pytest.raises(ValueError, match="max_timings .* int >= 0"):
+        dec.tune_k(PROMPTS, max_timings=-1)
     with pytest.raises(ValueError, match="tuning at K = 8: prompt 1 .* raise max_len"):
         dec.tune_k(PROMPTS, (2, 8), new_tokens=(2, NEW))
     assert dec.k == 2  # a refused tuning leaves K as it was
