@@ -384,12 +384,18 @@ def attention_bench(bs: int, queries: int, slots: int, device: torch.device) -> 
     with sdpa_kernel([SDPBackend.MATH]):
         ref = torch.nn.functional.scaled_dot_product_attention(
             q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
-    out = dict(bs=bs, queries=queries, slots=slots)
+    return dict(bs=bs, queries=queries, slots=slots, **time_candidates(variants, ref))
+
+
+def time_candidates(variants: dict, ref: torch.Tensor) -> dict[str, float | str]:
+    """Each candidate's largest error against `ref` and µs per call (CUDA-graph replays); one that
+    refuses the shapes gives why instead."""
+    out = {}
     for name, fn in variants.items():
         try:
             out[f"{name}_err"] = (fn().float() - ref).abs().max().item()
             out[f"{name}_us"] = 1e3 * graph_ms(fn)
-        except Exception as exc:  # a backend that refuses these shapes says why
+        except Exception as exc:  # a candidate that refuses these shapes says why
             out[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     return out
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.scale import graph_ms  # noqa: E402  (ms per call, CUDA-graph replays)
+from benchmarks.scale import graph_ms, time_candidates  # noqa: E402  (CUDA-graph replays)
 
 HQ, HK, D = 32, 8, 128
 
@@ -90,13 +90,7 @@ def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
     ref = F.scaled_dot_product_attention(q.transpose(1, 2).float(), kt.float(), vt.float(), attn_mask=mask,
                                          scale=scale, enable_gqa=True).transpose(1, 2)
     kv_bytes = 2 * bs * S * HK * D * 2
-    row = dict(bs=bs, T=T, S=S, kv_us_at_bandwidth=kv_bytes / bandwidth)
-    for name, fn in variants.items():
-        try:
-            row[f"{name}_err"] = (fn().float() - ref).abs().max().item()
-            row[f"{name}_us"] = 1e3 * graph_ms(fn)
-        except Exception as exc:  # a candidate that refuses these shapes says why
-            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    row = dict(bs=bs, T=T, S=S, kv_us_at_bandwidth=kv_bytes / bandwidth, **time_candidates(variants, ref))
     sweep = {}
     for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3), (64, 8, 3)):
         for splits in (1, 2, 4, 8, 16, 32):
