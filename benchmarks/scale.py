@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import json
@@ -63,8 +64,9 @@ from models.layers import attend  # noqa: E402
 from models.drafters import adapt  # noqa: E402
 from specpass.speculative import Decoder, _clone, cache_slots, expected_accept_length, prefill  # noqa: E402
 
-SHIPPED = {"eagle3": (ROOT / "docs" / "e2e.json", "eagle3/specpass-fused"),  # --drafter -> its e2e run
-           "parallel": (ROOT / "docs" / "e2e_parallel.json", "parallel/specpass-fused")}
+SHIPPED = {  # --drafter -> its measured acceptance: a file and the rows of it that hold it
+    "eagle3": (ROOT / "docs" / "e2e.json", dict(variant="eagle3/specpass-fused", dtype="bfloat16")),
+    "parallel": (ROOT / "docs" / "acceptance_parallel3.json", dict(kind="parallel"))}  # the two-layer head
 HEADS = {"eagle3": "eagle3", "parallel": "peagle3"}  # --drafter -> the zoo's head, llama3-8b-<this>
 START = time.perf_counter()
 
@@ -75,12 +77,14 @@ def point(text: str) -> tuple[int, int]:
 
 
 def shipped_acceptance(drafter: str = "eagle3") -> list[float]:
-    """Acceptance per draft position of the shipped pair (bf16, fused specpass, H100): the run with the
-    most positions; beyond it, each position keeps the last measured conditional rate."""
-    path, variant = SHIPPED[drafter]
-    rows = [r for r in json.loads(path.read_text()) if r["variant"] == variant
-            and r["dtype"] == "bfloat16" and r["acceptance"]]
-    best = max(rows, key=lambda r: (len(r["acceptance"]), r["bs"]))
+    """Acceptance per draft position of the shipped head: the chain head's from its bf16 fused specpass
+    run on the H100, the parallel head's from the 32 held-out prompts (fp32: bf16 rounds leave the
+    greedy text early at bs 1); the run with the most positions, and beyond it each position keeps
+    the last measured conditional rate."""
+    path, match = SHIPPED[drafter]
+    rows = [r for r in json.loads(path.read_text())
+            if all(r.get(key) == value for key, value in match.items()) and r["acceptance"]]
+    best = max(rows, key=lambda r: (len(r["acceptance"]), r.get("bs", 0)))
     acc = list(best["acceptance"])
     rate = acc[-1] / acc[-2]
     while len(acc) < 8:
@@ -137,11 +141,14 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict, gemm=None) -
     item = next(target.parameters()).element_size()
     t_lin = [m for m in target.modules() if isinstance(m, nn.Linear)]
     t_attn = [layer.self_attn for layer in target.model.layers]
-    h_attn = head.midlayer.self_attn
+    h_layers = head.decoder_layers
+    last = h_layers[-1].self_attn
     h_all = [m for m in head.modules() if isinstance(m, nn.Linear) and m is not head.fc]
-    h_rows_all = [head.fc, h_attn.k_proj, h_attn.v_proj]  # catch-up: K/V of every row, the rest on the live row
+    # catch-up: fc, every layer but the last, and the last one's K/V on every row (later layers and the
+    # K/V write read them); the rest on the live rows
+    h_rows_all = [head.fc, last.k_proj, last.v_proj,
+                  *(m for layer in h_layers[:-1] for m in layer.modules() if isinstance(m, nn.Linear))]
     h_live = [m for m in h_all if m not in h_rows_all]
-
     def lin(linears, rows):  # (bytes, FLOPs, measured ms)
         return (*linear_cost(linears, rows), 0.0) if gemm is None else (0.0, 0.0, gemm(linears, rows))
 
@@ -152,6 +159,10 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict, gemm=None) -
         nbytes, flops, measured = map(sum, zip(*costs))
         return 1e3 * max(0.0 if flops_only else nbytes / ceil["bandwidth"], flops / ceil["flops"]) + measured
 
+    def head_att(rows, live):  # every layer but the last on every row's queries, the last on the live rows
+        return [att(layer.self_attn, bs, rows, context, item) for layer in h_layers[:-1]] + [
+            att(last, bs, live, context, item)]
+
     def target_step(rows_per_request):
         return ms(lin(t_lin, bs * rows_per_request),
                   *(att(a, bs, rows_per_request, context, item) for a in t_attn))
@@ -159,22 +170,21 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict, gemm=None) -
     out = dict(decode=target_step(1))
     if k and hasattr(head, "draft_parallel"):  # one draft forward: 2K rows write K/V, K live rows go on
         out.update(draft=0.0, verify=target_step(k + 1), accept=0.0,
-                   catch_up=ms(lin(h_rows_all, bs * 2 * k), lin(h_live, bs * k),
-                               att(h_attn, bs, k, context, item)))
+                   catch_up=ms(lin(h_rows_all, bs * 2 * k), lin(h_live, bs * k), *head_att(2 * k, k)))
         out["round"] = out["verify"] + out["catch_up"]
     elif k:
         out.update(
-            draft=(k - 1) * ms(lin(h_all, bs), att(h_attn, bs, 1, context, item)),
+            draft=(k - 1) * ms(lin(h_all, bs), *head_att(1, 1)),
             verify=target_step(k + 1),
             accept=0.0,
-            catch_up=ms(lin(h_rows_all, bs * (k + 1)), lin(h_live, bs), att(h_attn, bs, 1, context, item)))
+            catch_up=ms(lin(h_rows_all, bs * (k + 1)), lin(h_live, bs), *head_att(k + 1, 1)))
         out["round"] = out["draft"] + out["verify"] + out["catch_up"]
         if gemm is None:
             # the live-row rewrite's ceiling: the catch-up's FLOP time on every row less on its live rows
             # (it removes no bytes: weights and K/V are read once either way)
             out["live_rows_saved"] = (
-                ms(lin(h_live, bs * (k + 1)), att(h_attn, bs, k + 1, context, item), flops_only=True)
-                - ms(lin(h_live, bs), att(h_attn, bs, 1, context, item), flops_only=True))
+                ms(lin(h_live, bs * (k + 1)), att(last, bs, k + 1, context, item), flops_only=True)
+                - ms(lin(h_live, bs), att(last, bs, 1, context, item), flops_only=True))
     return out
 
 
@@ -183,7 +193,8 @@ def gemm_floor(bench, bs: int, k: int, context: int, ceil: dict) -> dict[str, fl
     target and the head run one after another as the model runs them (bf16 F.linear on the model's
     own weights, every layer's: no weight stays in L2 that would not; M = their rows: bs for the
     decode and draft steps, bs x (K+1) for the verify; CUDA-graph replays); the verify's and the
-    decode step's target GEMMs, and `floors` with those times and the attention at its floor."""
+    decode step's target GEMMs, and `floors` with those times and the attention at its floor (each
+    phase's, and the round's)."""
     times: dict[tuple, float] = bench.gemm_times  # (the linears, rows) -> ms, each timed once
 
     def gemm(linears: list[nn.Linear], rows: int) -> float:
@@ -202,7 +213,7 @@ def gemm_floor(bench, bs: int, k: int, context: int, ceil: dict) -> dict[str, fl
     t_lin = [m for m in bench.target.modules() if isinstance(m, nn.Linear)]
     best = floors(bench.target, bench.head, bs, k, context, ceil, gemm)
     out = dict(bs=bs, k=k, decode_gemm_ms=gemm(t_lin, bs), verify_gemm_ms=gemm(t_lin, bs * (k + 1)),
-               decode_best_ms=best["decode"], round_best_ms=best["round"])
+               decode_best_ms=best["decode"], round_best_ms=best["round"], phases_best_ms=best)
     print(f"  gemm floor bs {bs} K {k}: verify GEMMs {out['verify_gemm_ms']:.3f} ms / decode GEMMs "
           f"{out['decode_gemm_ms']:.3f} = {out['verify_gemm_ms'] / out['decode_gemm_ms']:.2f}; with the rest at "
           f"its floor round / decode >= {best['round']:.3f} / {best['decode']:.3f} = "
@@ -220,7 +231,10 @@ class Bench:
         base = "tiny-llama" if args.quick else "llama3-8b"
         names = (base, f"{base}-{HEADS[args.drafter]}")
         self.target = zoo.build(names[0], device=self.device, dtype=dtype)
-        self.head = zoo.build(names[1], device=self.device, dtype=dtype)
+        head = zoo.config(names[1])
+        if args.head_layers:
+            head = dataclasses.replace(head, num_hidden_layers=args.head_layers)
+        self.head = zoo.build(head, device=self.device, dtype=dtype)
         self.head.embed_tokens = self.target.model.embed_tokens  # EAGLE-3 uses the target's, by reference
         self.mode = "reduce-overhead" if self.device.type == "cuda" else None
         torch._dynamo.config.recompile_limit = 1024
@@ -432,7 +446,8 @@ def sweep(args, save) -> dict:
     bench = Bench(args)
     dev = bench.device
     env = dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", torch=torch.__version__,
-               dtype=str(next(bench.target.parameters()).dtype).removeprefix("torch."), drafter=args.drafter)
+               dtype=str(next(bench.target.parameters()).dtype).removeprefix("torch."), drafter=args.drafter,
+               head_layers=bench.head.config.num_hidden_layers)
     with exclusive(args.gpu_lock):
         ceiling = ceilings(dev)
     bench.release()  # the 4 GB it copied, for processes side by side
@@ -685,6 +700,7 @@ def main() -> None:
     parser.add_argument("--points", default="1x64,16x64,64x64,16x4096", type=points, help="BSxPROMPT,...")
     parser.add_argument("--drafter", default="eagle3", choices=sorted(HEADS),
                         help="eagle3: the chain head; parallel: the P-EAGLE head, one draft forward a round")
+    parser.add_argument("--head-layers", type=int, help="the head's decoder layers (default: the zoo's, one)")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--k-sweep", default="", type=lambda s: [int(x) for x in s.split(",") if x])
     parser.add_argument("--k-sweep-at", default="", type=points)

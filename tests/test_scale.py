@@ -1,0 +1,56 @@
+"""benchmarks/scale.py's floors for heads of one and two layers: the live-row catch-up runs every
+layer but the last on every row it writes K/V for, the last layer's K/V too, the rest on the live
+rows. Checked against FLOPs counted from the config, not from the modules the floors walk."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from benchmarks.scale import floors
+from models import zoo
+
+FLOPS_ONLY = dict(bandwidth=float("inf"), flops=1e3)  # a floor in ms is then its FLOPs
+BS, CONTEXT = 3, 40
+
+
+def meta(name: str, **changes):
+    cls, config = zoo.CONFIGS[name][0], dataclasses.replace(zoo.config(name), **changes)
+    with torch.device("meta"):
+        return cls(config)
+
+
+def per_row(c) -> dict[str, int]:
+    """FLOPs a row costs in each part of the head, from its config."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    mlp = 2 * 3 * c.hidden_size * c.intermediate_size
+    return dict(fc=2 * 3 * c.target_hidden_size * c.hidden_size,
+                first_kv=2 * 2 * (2 * c.hidden_size) * kv,  # the midlayer reads [embeds, hidden]: 2H
+                first_rest=2 * (2 * c.hidden_size) * q + 2 * q * c.hidden_size + mlp,
+                plain_kv=2 * 2 * c.hidden_size * kv,
+                plain_rest=2 * c.hidden_size * q + 2 * q * c.hidden_size + mlp,
+                lm_head=2 * c.hidden_size * c.draft_vocab_size,
+                attention=4 * CONTEXT * q)  # a query over the context: scores and values
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_chain_catch_up_runs_every_layer_but_the_last_on_every_row(layers):
+    target, head = meta("tiny-llama"), meta("tiny-llama-eagle3", num_hidden_layers=layers)
+    f = per_row(head.config)
+    catch_up = {k: floors(target, head, BS, k, CONTEXT, FLOPS_ONLY)["catch_up"] for k in (4, 5)}
+    # one more draft: one more verified row through everything that runs on every row
+    every_row = f["fc"] + f["first_kv"] if layers == 1 else (
+        f["fc"] + f["first_kv"] + f["first_rest"] + f["attention"] + f["plain_kv"])
+    assert catch_up[5] - catch_up[4] == pytest.approx(BS * every_row)
+    live = f["first_rest"] if layers == 1 else f["plain_rest"]
+    assert catch_up[4] == pytest.approx(BS * (5 * every_row + live + f["lm_head"] + f["attention"]))
+
+
+def test_the_parallel_catch_up_writes_2k_rows_and_runs_k_live_rows():
+    target, head = meta("tiny-llama"), meta("tiny-llama-peagle3", num_hidden_layers=2)
+    f = per_row(head.config)
+    every_row = f["fc"] + f["first_kv"] + f["first_rest"] + f["attention"] + f["plain_kv"]
+    live = f["plain_rest"] + f["lm_head"] + f["attention"]
+    for k in (3, 6):
+        got = floors(target, head, BS, k, CONTEXT, FLOPS_ONLY)
+        assert got["draft"] == 0 and got["catch_up"] == pytest.approx(BS * (2 * k * every_row + k * live))
