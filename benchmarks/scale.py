@@ -9,7 +9,7 @@ projected speedup uses the shipped pair's measured acceptance per draft position
     python benchmarks/scale.py --points 64x64 --variants specpass --k-sweep 2,6 --out a.json
     python benchmarks/scale.py --plot docs/scale.json              # docs/scale.png and the tables (CPU)
     python benchmarks/scale.py --quick --device cpu                # a smoke test: tiny models
-    python benchmarks/scale.py --drafter parallel --variants specpass  # the P-EAGLE head (issue 25)
+    python benchmarks/scale.py --drafter parallel --head-layers 2 --variants specpass  # P-EAGLE, as shipped
 
 Per point (batch size x prompt length), each variant is built, compiled, timed and dropped in turn
 (they share the weights; each sets up its own caches):
@@ -149,6 +149,7 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict, gemm=None) -
     h_rows_all = [head.fc, last.k_proj, last.v_proj,
                   *(m for layer in h_layers[:-1] for m in layer.modules() if isinstance(m, nn.Linear))]
     h_live = [m for m in h_all if m not in h_rows_all]
+
     def lin(linears, rows):  # (bytes, FLOPs, measured ms)
         return (*linear_cost(linears, rows), 0.0) if gemm is None else (0.0, 0.0, gemm(linears, rows))
 
