@@ -109,7 +109,8 @@ VARIANTS = {"eager": None, "inductor": "inductor", "specpass": specpass}  # name
 
 def sampling_calls(x: torch.Tensor) -> dict:
     """name -> fn(logits) of the sampling forms, for logits shaped as x."""
-    from specpass.sampling import TARGET, Params, floor_of, key
+    from specpass.kernels.counter import key
+    from specpass.sampling import TARGET, Params, floor_of
 
     bs = x.shape[0]
     params = Params.make(bs, bs, x.device, temperature=0.7, top_k=50, top_p=0.95, seed=0)

@@ -11,7 +11,7 @@ A token's distribution is softmax(x / T) over the entries x >= floor, where x ar
 the logits). Temperature 0 is greedy: the first arg-max, with probability 1.
 
 Random numbers are a pure function of (the request's seed, a position, a stream): `uniform`
-hashes them (murmur3's 32-bit finaliser, computed exactly in int64 so that torch on any device,
+(kernels/counter.py) hashes them (murmur3's 32-bit finaliser, computed exactly in int64 so that torch on any device,
 Inductor's C++ and Triton give the same bits). A run is reproducible from its seeds whatever the
 batch, the compiler or the device (up to float rounding in the transcendental functions), and a
 CUDA graph replays no stale random state. Each emitted token consumes its own keys: a draft at
@@ -30,11 +30,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-import specpass.kernels  # noqa: F401  registers torch.ops.specpass.sample (imported here: Dynamo cannot trace an import)
+import specpass.kernels  # noqa: F401  registers torch.ops.specpass.* (imported here: Dynamo cannot trace an import)
+from specpass.kernels.counter import gumbel
 
 DRAFT, ACCEPT, TARGET = 1, 2, 3  # streams
-_M32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9
 
 
 class Params(NamedTuple):
@@ -96,46 +95,6 @@ def per_request(value, n: int, name: str, kind: type, ok, rule: str) -> list:
     return checked
 
 
-# --- counter-based random numbers
-
-
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow (16-bit halves)."""
-    lo = (x & 0xFFFF) * c
-    hi = ((x >> 16) * c) & 0xFFFF
-    return (lo + (hi << 16)) & _M32
-
-
-def mix32(x: Tensor) -> Tensor:
-    """murmur3's finaliser: a bijection of [0, 2**32) with full avalanche (int64 tensors)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def key(seed: Tensor, position: Tensor, stream: int) -> Tensor:
-    """The key of a request's draw at `position` in `stream`: seed [B] (or broadcastable), position
-    [B, ...] int64 -> int64 in [0, 2**32), the shape of position."""
-    seed = seed.reshape(seed.shape + (1,) * (position.dim() - seed.dim()))
-    s = mix32((seed & _M32) ^ mix32(((seed >> 32) & _M32) ^ _GOLDEN))
-    return mix32(mix32(s ^ stream) ^ (position & _M32))
-
-
-def uniform(keys: Tensor, columns: Tensor | None = None) -> Tensor:
-    """fp32 uniforms in (0, 1): one per key, or [*keys.shape, V] for columns [V]: 23 random bits
-    and the midpoint of their interval, exact in fp32 (24 bits would round 2**24 - 0.5 up to 1.0,
-    an infinite Gumbel draw)."""
-    h = keys if columns is None else mix32(keys[..., None] ^ mix32(columns ^ _GOLDEN))
-    return ((h >> 9).float() + 0.5) * 2.0**-23
-
-
-def gumbel(keys: Tensor, columns: Tensor) -> Tensor:
-    """-log(-log(u)): argmax(s + gumbel) is a draw from softmax(s)."""
-    return -torch.log(-torch.log(uniform(keys, columns)))
-
-
 # --- the distribution of a token
 
 
@@ -156,33 +115,6 @@ def floor_of(logits: Tensor, params: Params) -> Tensor | None:
 
     flat = logits.reshape(-1, logits.shape[-1])
     return torch.ops.specpass.floor(flat, *map(each_row, (params.temperature, params.top_k, params.top_p))).view(rows)
-
-
-@torch.library.custom_op("specpass::floor", mutates_args=())
-def floor(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """logits [R, V], per row temperature, top_k (0: off), top_p (1: off) -> [R] fp32 threshold.
-
-    top-k keeps the entries >= the k-th largest; top-p then keeps, in descending order, those
-    whose probability mass before them (under temperature and the top-k cut) is < p: the smallest
-    set reaching p, as transformers' TopPLogitsWarper. Ties at a threshold are all kept. One sort
-    of each row; rows of temperature 0 ignore the floor. An op, run as these torch ops in every
-    graph (Inductor calls it as one extern kernel): torch 2.11's Inductor fails to generate the
-    cumulative sum over a 150K vocabulary, and the sort is the cost either way.
-    """
-    x = logits.float()
-    V = x.shape[-1]
-    ranked = x.sort(-1, descending=True).values  # [R, V]
-    k = torch.where(top_k > 0, top_k.clamp(max=V), V)[:, None]
-    floor_k = ranked.gather(-1, k - 1)  # [R, 1]
-    p = torch.softmax(torch.where(ranked >= floor_k, ranked / temperature.clamp_min(1e-30)[:, None], float("-inf")), -1)
-    before = p.cumsum(-1) - p  # mass strictly before each entry
-    kept = (before < top_p[:, None]).sum(-1, keepdim=True).clamp(min=1)  # the top entry is always kept
-    return torch.maximum(floor_k, ranked.gather(-1, kept - 1))[:, 0]
-
-
-@floor.register_fake
-def _(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    return logits.new_empty(logits.shape[0], dtype=torch.float32)
 
 
 def logprobs(logits: Tensor, params: Params, floor: Tensor | None) -> Tensor:

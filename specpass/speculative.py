@@ -50,8 +50,9 @@ import torch
 from torch import Tensor
 
 import specpass
-from specpass.sampling import (ACCEPT, DRAFT, TARGET, Params, accepts, draw, floor_of, gumbel_argmax, key, logprobs,
-                               per_request, residual, uniform)
+from specpass.kernels.counter import key, uniform
+from specpass.sampling import (ACCEPT, DRAFT, TARGET, Params, accepts, draw, floor_of, gumbel_argmax, logprobs,
+                               per_request, residual)
 
 
 class Target(Protocol):

@@ -7,7 +7,8 @@ distribution here, on both devices): run through the device machine."""
 import pytest
 import torch
 
-from specpass.sampling import TARGET, key, uniform
+from specpass.kernels.counter import key, uniform
+from specpass.sampling import TARGET
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels need a CUDA GPU and Triton")
 

@@ -31,7 +31,8 @@ from models import zoo
 from models.drafters import ZooDrafter
 from models.eagle3 import Eagle3Config
 from models.llama import LlamaConfig
-from specpass.sampling import DRAFT, Params, floor_of, key, logprobs, uniform
+from specpass.kernels.counter import key, uniform
+from specpass.sampling import DRAFT, Params, floor_of, logprobs
 from specpass.speculative import Decoder, Proposal, judge
 
 V = 16

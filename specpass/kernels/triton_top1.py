@@ -1,4 +1,4 @@
-"""The CUDA implementations of `specpass::top1_lse` and `specpass::sample` (kernels/__init__.py):
+"""The CUDA implementations of `specpass::top1_lse` and `specpass::sample` (kernels/top1.py):
 one pass over each row, one kernel for both.
 
 Each element is first turned into the value the row is reduced over (`_score`): for top1_lse the
@@ -6,7 +6,7 @@ prologue folded into the op, s = x * scale or x / scale in fp32, correctly round
 by a reciprocal per row and Markstein corrections, `_divide`: Triton's default fp32 division is
 approximate, and div_rn costs a reciprocal MUFU, a check and 5 fmas per element), then rounded
 to a 16-bit dtype where the original rounded; for sample, x / T (`_divide`) plus the Gumbel
-noise of the counter hash, the same uint32 arithmetic as specpass.sampling.uniform so that the
+noise of the counter hash, the same uint32 arithmetic as counter.uniform so that the
 uniforms are bit-identical, -inf under the floor. Then the same reduction serves both: sample keeps the max and its first index, top1_lse
 also the sum of exp.
 
@@ -64,7 +64,7 @@ def _step(x, m, t, z, jj, SUM: tl.constexpr):
 
 @triton.jit
 def _mix32(x):
-    """murmur3's finaliser on uint32 (specpass.sampling.mix32, there in int64)."""
+    """murmur3's finaliser on uint32 (counter.mix32, there in int64)."""
     x = x ^ (x >> 16)
     x = x * 0x85EBCA6B
     x = x ^ (x >> 13)
@@ -74,7 +74,7 @@ def _mix32(x):
 
 @triton.jit
 def _uniform(key, cols):
-    """specpass.sampling.uniform(key, cols), bit for bit: key uint32, cols int32 >= 0."""
+    """counter.uniform(key, cols), bit for bit: key uint32, cols int32 >= 0."""
     h = _mix32(key ^ _mix32(cols.to(tl.uint32) ^ 0x9E3779B9))
     return ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23: exact, in (0, 1)
 
@@ -290,7 +290,7 @@ def top1_lse(logits: torch.Tensor, log: bool = False, dtype: torch.dtype | None 
              scale: torch.Tensor | None = None, scalar: float = 1.0, divide: bool = False,
              rounding: torch.dtype | None = None, config: tuple[int, ...] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(index, top, lse, value) of each row of the prologue's s (kernels/__init__.py); `config` =
+    """(index, top, lse, value) of each row of the prologue's s (kernels/top1.py); `config` =
     (E, num_warps, splits[, num_stages]) overrides config_for (for tuning)."""
     R = logits.shape[0]
     index = logits.new_empty(R, dtype=torch.int64)
@@ -306,7 +306,7 @@ def top1_lse(logits: torch.Tensor, log: bool = False, dtype: torch.dtype | None 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, key: torch.Tensor, floor: torch.Tensor | None = None,
            config: tuple[int, ...] | None = None) -> torch.Tensor:
     """argmax(x / T + gumbel(key, column)) of each row over x >= floor; x's first arg-max where T is
-    not > 0 (kernels/__init__.py)."""
+    not > 0 (kernels/top1.py)."""
     index = logits.new_empty(logits.shape[0], dtype=torch.int64)
     _reduce(logits, (index,), config, scale=temperature, key=key, floor=floor, LOG=False, PROLOGUE=NONE, ROUND=None,
             SAMPLE=True)

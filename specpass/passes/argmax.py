@@ -92,7 +92,7 @@ import torch.fx as fx
 
 from specpass.graph import bind, emit, is_symbolic, is_written_in_place, known, op_name, same_shape, val
 from specpass.options import Options
-from specpass.passes.row_rules import RESHAPES, SAME_VALUES
+from specpass.passes.op_sets import RESHAPES, SAME_VALUES
 from specpass.report import Finding
 
 aten = torch.ops.aten

@@ -61,7 +61,7 @@ import torch.fx as fx
 from specpass.graph import (bind, is_mutation, is_written_in_place, known, op_name, same_shape, set_val, storage, val,
                             written_storages)
 from specpass.options import Options
-from specpass.passes.row_rules import RESHAPES, SAME_VALUES
+from specpass.passes.op_sets import RESHAPES, SAME_VALUES
 from specpass.report import Finding
 
 aten = torch.ops.aten

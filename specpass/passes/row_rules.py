@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.fx as fx
@@ -35,11 +35,26 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from specpass.graph import (bind, fake_mode, is_mutation, known, make_local_writes_functional, op_name, same_shape,
                             size_key, to_the_end, val)
 from specpass.options import Options
+from specpass.passes.op_sets import EXPANDS, RESHAPES, SAME_VALUES, VIEWS
 
-if TYPE_CHECKING:  # selections are duck-typed here: axes, row_axes, remap, flattens
-    from specpass.passes.live_rows.rows import Rows
 
 aten = torch.ops.aten
+
+
+class Selection(Protocol):
+    """Rows selected along axes of a node's output, as the rules read it. The engine only maps
+    axes; what the rows are and how they are gathered is the live-row pass's (its selections,
+    live_rows/rows.py, implement this)."""
+
+    @property
+    def axes(self) -> tuple[int, ...]: ...  # every axis the selection indexes (a per-request one: batch, rows)
+
+    @property
+    def row_axes(self) -> tuple[int, ...]: ...  # the axes whose rows an operand must carry
+
+    def remap(self, axis_map: dict[int, int]) -> "Selection": ...  # the same rows, on an operand's axes
+
+    def flattens(self, axes: list[int]) -> bool: ...  # are its rows flat ids across any of these axes
 
 
 class Stop(Exception):
@@ -72,7 +87,7 @@ class Keep:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Gather:
-    spec: Rows
+    spec: Selection
     expand_to: tuple[int, ...] | None = None  # expand along broadcast selected axes first
 
     def _key(self) -> tuple:
@@ -85,7 +100,7 @@ class Gather:
         return hash(self._key())
 
 
-RuleFn = Callable[[fx.Node, "Rows", Options], Rule]
+RuleFn = Callable[[fx.Node, "Selection", Options], Rule]
 _RULES: dict[Any, RuleFn] = {}
 
 
@@ -98,24 +113,6 @@ def rule(*targets: Any) -> Callable[[RuleFn], RuleFn]:
         return fn
 
     return register
-
-
-# Ops whose output holds their first input's values (up to a dtype cast); the arg-max pass
-# looks through them too.
-SAME_VALUES = {
-    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default,
-    aten.type_as.default, aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default,
-    aten.lift_fresh_copy.default,
-}
-# A view of the first operand with a new shape (view_as / reshape_as: another tensor's, read for
-# its shape only).
-RESHAPES = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.default,
-    aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default, aten.flatten.using_ints,
-    aten.unflatten.int, aten.view_as.default, aten.reshape_as.default,
-}
-VIEWS = RESHAPES | {aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default,
-                    aten.select.int, aten.slice.Tensor, aten.alias.default, aten.detach.default}
 
 
 def shape_of(x: Any) -> list[int]:
@@ -142,7 +139,7 @@ def _drop_axis(x: fx.Node, out_rank: int, dropped: int) -> Operand:
 # ----------------------------------------------------------------------------- lookup
 
 
-def rule_for(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def rule_for(node: fx.Node, spec: Selection, options: Options) -> Rule:
     """How `node`'s rows map onto its operands; Stop(reason) if it is not row-local for `spec`."""
     target, name = node.target, op_name(node.target)
     if target is operator.getitem:
@@ -164,7 +161,7 @@ def rule_for(node: fx.Node, spec: Rows, options: Options) -> Rule:
     raise Unknown(f"{name} is not known to be row-local; assumed to mix rows")
 
 
-def plan_operands(node: fx.Node, spec: Rows, options: Options) -> dict[fx.Node, Keep | Gather]:
+def plan_operands(node: fx.Node, spec: Selection, options: Options) -> dict[fx.Node, Keep | Gather]:
     """Per operand of `node` gathered by `spec`: keep it, or gather it; Stop if impossible."""
     try:
         found = rule_for(node, spec, options)
@@ -194,7 +191,7 @@ def plan_operands(node: fx.Node, spec: Rows, options: Options) -> dict[fx.Node, 
 ABSENT, BCAST, CARRIED = "absent", "bcast", "carried"
 
 
-def _operand_action(op: Operand, spec: Rows, out: list[int]) -> tuple[Keep | Gather, set[int]]:
+def _operand_action(op: Operand, spec: Selection, out: list[int]) -> tuple[Keep | Gather, set[int]]:
     """What one operand needs for the output to be gathered by `spec`, and which selected
     output axes it provides."""
     own_shape = op.shape or shape_of(op.node)
@@ -231,14 +228,14 @@ def _operand_action(op: Operand, spec: Rows, out: list[int]) -> tuple[Keep | Gat
 # ----------------------------------------------------------------------------- derived rules
 
 
-def _reduction(node: fx.Node, spec: Rows) -> Rule:
+def _reduction(node: fx.Node, spec: Selection) -> Rule:
     """torch.Tag.reduction: reduces `self` over the schema's `dim` (every axis when absent or
     None), dropping the reduced axes unless `keepdim`."""
     args = bind(node)
     return _along(node, spec, [node.args[0]], args.get("dim"), bool(args.get("keepdim", False)))
 
 
-def _along(node: fx.Node, spec: Rows, inputs: list[fx.Node], dims: Any, keepdim: bool) -> Rule:
+def _along(node: fx.Node, spec: Selection, inputs: list[fx.Node], dims: Any, keepdim: bool) -> Rule:
     """An op of `inputs` along `dims`: row-local unless a selected axis is among them."""
     name = op_name(node.target)
     in_rank = len(shape_of(inputs[0]))
@@ -263,7 +260,7 @@ def _decomposition(target: Any) -> Callable | None:
     return decomposition_table.get(target)
 
 
-def _plan_through(decomposition: Callable, node: fx.Node, spec: Rows, options: Options
+def _plan_through(decomposition: Callable, node: fx.Node, spec: Selection, options: Options
                   ) -> dict[fx.Node, Keep | Gather]:
     """Row-locality of `node` read off its decomposition, traced on its fake values.
 
@@ -356,13 +353,13 @@ def _reads(node: fx.Node, inputs: set[fx.Node]) -> bool:
 
 @rule(*SAME_VALUES, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
       aten.empty_like.default, torch.ops._c10d_functional.all_reduce.default)
-def _same_shape(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _same_shape(node: fx.Node, spec: Selection, options: Options) -> Rule:
     """One tensor operand, the same axes; any other tensor argument (type_as's) only lends a dtype."""
     return Rule([same_axes(node.args[0], rank(node))])
 
 
 @rule(aten.copy.default)
-def _copy(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _copy(node: fx.Node, spec: Selection, options: Options) -> Rule:
     """src's values in self's shape and dtype (an in-place copy_ made functional): both operands
     gathered alike, as a broadcasting pointwise op's."""
     return Rule([same_axes(a, rank(node), expandable=True) for a in node.args[:2]])
@@ -379,7 +376,7 @@ _ALONG_DIM = {  # op -> its dims argument: ops along an axis that keep every axi
 
 
 @rule(*_ALONG_DIM)
-def _along_dim(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _along_dim(node: fx.Node, spec: Selection, options: Options) -> Rule:
     if _whole_axis(node):  # x[:, 0:] — in dynamic graphs `pos[:, None]` keeps such a slice
         return Rule([same_axes(node.args[0], rank(node))])
     inputs = node.args[0] if node.target is aten.cat.default else [node.args[0]]
@@ -397,22 +394,19 @@ def _whole_axis(node: fx.Node) -> bool:
         to_the_end(end) or known(end >= size))
 
 
-EXPANDS = {aten.expand.default, aten.expand_as.default}  # expand_as reads its second operand for its shape only
-
-
 @rule(*EXPANDS)
-def _expand(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _expand(node: fx.Node, spec: Selection, options: Options) -> Rule:
     return Rule([same_axes(node.args[0], rank(node), expandable=True)], needs_carrier=False)
 
 
 @rule(aten.permute.default)
-def _permute(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _permute(node: fx.Node, spec: Selection, options: Options) -> Rule:
     r = rank(node)
     return Rule([Operand(node.args[0], [d % r for d in node.args[1]], r)])
 
 
 @rule(aten.transpose.int, aten.t.default)
-def _transpose(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _transpose(node: fx.Node, spec: Selection, options: Options) -> Rule:
     r = rank(node)
     perm = list(range(r))
     d0, d1 = (node.args[1] % r, node.args[2] % r) if node.target is aten.transpose.int else (0, r - 1)
@@ -421,13 +415,13 @@ def _transpose(node: fx.Node, spec: Rows, options: Options) -> Rule:
 
 
 @rule(aten.select.int, aten.unbind.int)
-def _select(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _select(node: fx.Node, spec: Selection, options: Options) -> Rule:
     r = rank(node)
     return Rule([_drop_axis(node.args[0], r, bind(node)["dim"] % (r + 1))])
 
 
 @rule(aten.stack.default)
-def _stack(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _stack(node: fx.Node, spec: Selection, options: Options) -> Rule:
     r = rank(node)
     dim = bind(node)["dim"] % r
     if dim in spec.axes:
@@ -436,7 +430,7 @@ def _stack(node: fx.Node, spec: Rows, options: Options) -> Rule:
 
 
 @rule(aten.rms_norm.default, aten.layer_norm.default, aten.native_layer_norm.default)
-def _norm(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _norm(node: fx.Node, spec: Selection, options: Options) -> Rule:
     r, normalized = rank(node), len(bind(node)["normalized_shape"])
     if any(a >= r - normalized for a in spec.axes):
         raise Stop(f"{op_name(node.target)} normalises over the selected axis")
@@ -444,7 +438,7 @@ def _norm(node: fx.Node, spec: Rows, options: Options) -> Rule:
 
 
 @rule(aten.linear.default)
-def _linear(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _linear(node: fx.Node, spec: Selection, options: Options) -> Rule:
     r = rank(node)
     x, w, b = node.args[0], node.args[1], bind(node)["bias"]
     ops = [Operand(x, list(range(r - 1)) + [None], r), Operand(w, [None] * (r - 1) + [0], 2)]
@@ -458,7 +452,7 @@ _MATMULS = {aten.mm.default: 0, aten.bmm.default: 0, aten.matmul.default: 0, ate
 
 
 @rule(*_MATMULS)
-def _matmul(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _matmul(node: fx.Node, spec: Selection, options: Options) -> Rule:
     r, first = rank(node), _MATMULS[node.target]
     a, b = node.args[first], node.args[first + 1]
     if len(shape_of(a)) < 2 or len(shape_of(b)) < 2:
@@ -471,7 +465,7 @@ def _matmul(node: fx.Node, spec: Rows, options: Options) -> Rule:
 
 
 @rule(aten.einsum.default)
-def _einsum(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _einsum(node: fx.Node, spec: Selection, options: Options) -> Rule:
     equation = node.args[0].replace(" ", "")
     if "..." in equation or "->" not in equation:
         raise Stop("einsum with an implicit output or an ellipsis")
@@ -481,13 +475,13 @@ def _einsum(node: fx.Node, spec: Rows, options: Options) -> Rule:
 
 
 @rule(aten.embedding.default)
-def _embedding(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _embedding(node: fx.Node, spec: Selection, options: Options) -> Rule:
     r, ids = rank(node), node.args[1]
     return Rule([Operand(ids, list(range(r - 1)) + [None], r - 1), Operand(node.args[0], [None] * r, 2)])
 
 
 @rule(aten.index.Tensor)
-def _advanced_index(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _advanced_index(node: fx.Node, spec: Selection, options: Options) -> Rule:
     x, indices = node.args[0], list(node.args[1])
     used = [i for i, t in enumerate(indices) if t is not None]
     if used != list(range(used[0], used[-1] + 1)):
@@ -502,7 +496,7 @@ def _advanced_index(node: fx.Node, spec: Rows, options: Options) -> Rule:
 
 
 @rule(aten.gather.default)
-def _gather(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _gather(node: fx.Node, spec: Selection, options: Options) -> Rule:
     r, out = rank(node), out_shape_of(node)
     dim = bind(node)["dim"] % r
     if dim in spec.axes:
@@ -513,7 +507,7 @@ def _gather(node: fx.Node, spec: Rows, options: Options) -> Rule:
 
 
 @rule(aten.scatter.value, aten.scatter.src, aten.scatter_add.default, aten.scatter_reduce.two)
-def _scatter(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _scatter(node: fx.Node, spec: Selection, options: Options) -> Rule:
     r = rank(node)
     if bind(node)["dim"] % r in spec.axes:
         raise Stop(f"{op_name(node.target)} along the selected axis")
@@ -522,7 +516,7 @@ def _scatter(node: fx.Node, spec: Rows, options: Options) -> Rule:
 
 
 @rule(aten.scaled_dot_product_attention.default)
-def _attention(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _attention(node: fx.Node, spec: Selection, options: Options) -> Rule:
     """Row-local in the query (and batch) axes: each output row reads its own query row, its own
     mask row, and all of K/V — so gathering query and mask rows is exact (the Q-slice)."""
     q, k, v = node.args[:3]
@@ -560,7 +554,7 @@ _c10d = torch.ops._c10d_functional
 
 
 @rule(_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default)
-def _blockwise_collective(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _blockwise_collective(node: fx.Node, spec: Selection, options: Options) -> Rule:
     if 0 in spec.axes:
         verb = "gathers" if node.target is _c10d.all_gather_into_tensor.default else "scatters"
         axis = "token" if 0 in spec.row_axes else "request"
@@ -570,7 +564,7 @@ def _blockwise_collective(node: fx.Node, spec: Rows, options: Options) -> Rule:
 
 
 @rule(_c10d.wait_tensor.default)
-def _wait(node: fx.Node, spec: Rows, options: Options) -> Rule:
+def _wait(node: fx.Node, spec: Selection, options: Options) -> Rule:
     """A wait moves only together with the collective right before it: a gather between them would
     read the collective's result before it is complete."""
     collective = node.args[0]
@@ -657,7 +651,7 @@ def _holds_tensors(t: Any) -> bool:
 
 
 def _declared_rule(rows: tuple[str, ...], full: tuple[str, ...], row_dims: int, query: bool) -> RuleFn:
-    def declared(node: fx.Node, spec: Rows, options: Options) -> Rule:
+    def declared(node: fx.Node, spec: Selection, options: Options) -> Rule:
         name = op_name(node.target)
         feature = [a for a in spec.axes if a >= row_dims]
         if feature:

@@ -37,7 +37,8 @@ from specpass.passes.live_rows.liveness import FULL, Liveness, analyse
 from specpass.passes.live_rows.program import Program
 from specpass.passes.live_rows.rows import keeps_less
 from specpass.passes.live_rows.split import Split, split_fused
-from specpass.passes.row_rules import VIEWS, Gather, Stop, out_shape_of, shape_of
+from specpass.passes.op_sets import VIEWS
+from specpass.passes.row_rules import Gather, Stop, out_shape_of, shape_of
 from specpass.report import Finding, node_matmul_flops
 
 NAME = "live_rows"

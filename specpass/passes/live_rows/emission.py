@@ -17,7 +17,8 @@ from specpass.passes.live_rows.gathers import Candidate
 from specpass.passes.live_rows.liveness import FULL, Liveness, compose
 from specpass.passes.live_rows.program import Program
 from specpass.passes.live_rows.rows import Rows
-from specpass.passes.row_rules import EXPANDS, RESHAPES, Keep, out_shape_of, shape_of
+from specpass.passes.op_sets import EXPANDS, RESHAPES
+from specpass.passes.row_rules import Keep, out_shape_of, shape_of
 
 aten = torch.ops.aten
 

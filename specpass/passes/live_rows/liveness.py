@@ -23,7 +23,8 @@ from specpass.passes.live_rows.gathers import Candidate, as_static
 from specpass.passes.live_rows.program import Program
 from specpass.passes.live_rows.reshape import through_reshape
 from specpass.passes.live_rows.rows import Rows, Static, keeps_less
-from specpass.passes.row_rules import RESHAPES, VIEWS, Gather, Keep, Stop, out_shape_of, plan_operands, shape_of
+from specpass.passes.op_sets import RESHAPES, VIEWS
+from specpass.passes.row_rules import Gather, Keep, Stop, out_shape_of, plan_operands, shape_of
 
 aten = torch.ops.aten
 FULL = "full"  # the node is needed on every row

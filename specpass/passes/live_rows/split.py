@@ -26,7 +26,8 @@ from specpass.passes.live_rows.gathers import Candidate, as_static
 from specpass.passes.live_rows.liveness import FULL, Liveness
 from specpass.passes.live_rows.program import Program
 from specpass.passes.live_rows.rows import Static
-from specpass.passes.row_rules import RESHAPES, Gather, Stop, plan_operands, shape_of
+from specpass.passes.op_sets import RESHAPES
+from specpass.passes.row_rules import Gather, Stop, plan_operands, shape_of
 from specpass.report import node_matmul_flops
 
 aten = torch.ops.aten
