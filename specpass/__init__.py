@@ -11,9 +11,9 @@
 import sys
 import types
 
-from specpass.backend import SpecpassWarning, backend, default_backend
+from specpass.compile_backend import SpecpassWarning, backend, default_backend
 from specpass.capture import CaptureError, capture
-from specpass.export import export
+from specpass.export_program import export
 from specpass.options import Options
 from specpass.passes.row_rules import register_row_rule
 from specpass.pipeline import PASSES, RewriteResult, explain, rewrite

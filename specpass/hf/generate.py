@@ -158,7 +158,7 @@ def _describe(x: Any) -> str:
 
 class _Recorder:
     """A torch.compile backend that runs `backend` and keeps, per compiled step, the rewrites specpass
-    reports while compiling it (its log record; see specpass/backend.py)."""
+    reports while compiling it (its log record; see specpass/compile_backend.py)."""
 
     def __init__(self, backend: Callable):
         self.backend = backend

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind
 
-from specpass.backend import SpecpassWarning, log_report
+from specpass.compile_backend import SpecpassWarning, log_report
 from specpass.graph import emit, is_mutation
 from specpass.options import Options
 from specpass.pipeline import run_passes
