@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from specpass.graph import (bind, fake_mode, is_mutation, known, make_local_writes_functional, op_name, same_shape,
                             size_key, to_the_end, val)
 from specpass.options import Options
-from specpass.passes.op_sets import EXPANDS, RESHAPES, SAME_VALUES, VIEWS
+from specpass.passes.op_sets import EXPANDS, SAME_VALUES
 
 
 aten = torch.ops.aten
