@@ -1,4 +1,4 @@
-"""benchmarks/scale.py's floors for heads of one and two layers: the live-row catch-up runs every
+"""benchmarks/scale/floors.py's floors for heads of one and two layers: the live-row catch-up runs every
 layer but the last on every row it writes K/V for, the last layer's K/V too, the rest on the live
 rows. Checked against FLOPs counted from the config, not from the modules the floors walk."""
 
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks.scale import floors
+from benchmarks.scale.floors import floors
 from models import zoo
 
 FLOPS_ONLY = dict(bandwidth=float("inf"), flops=1e3)  # a floor in ms is then its FLOPs

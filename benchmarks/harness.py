@@ -1,0 +1,342 @@
+"""What every benchmark shares: timing, the environment record, Dynamo's limits, the GPU lock and
+the output rows; and the only places that reach into the loop's internals or torch's private APIs.
+
+    env = environment(device, dtype)          # device, torch / triton / transformers, dtype, date, commit
+    dynamo_limits(1024)                       # before compiling many variants of the same step functions
+    ms = graph_ms([fn] * 20)                  # ms per call: the calls captured as one CUDA graph, replayed
+    ms = median_ms({"a": fa, "b": fb}, iters=100, warmup=5)   # CUDA events around each call, taking turns
+    ms = op_ms(fn, device)                    # CUDA-graph replays on a GPU, the host clock elsewhere
+    with exclusive(lock_file): ...            # the GPU to this process alone while it times
+    save = saver(path); save(result)          # the JSON written as it goes: a run cut short keeps its rows
+
+Timers: CUDA events read the GPU's own clock (`median_ms`, `event_ms`); a CUDA graph of many calls
+times back-to-back kernels without launch gaps (`graph_ms`); `now` is the host clock after a device
+sync, for whole generates; `host_ms` times host work (CPU runs, Dynamo's overhead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import fcntl
+import gc
+import importlib.metadata
+import itertools
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: checkpoints/, docs/
+
+
+# --- what ran where
+
+
+def environment(device: torch.device | str, dtype: torch.dtype | str, **extra: Any) -> dict[str, Any]:
+    """The record every result carries: the device's name, the versions of torch, Triton and
+    transformers (None where absent; read without importing them), the dtype, the UTC date and the
+    repository's commit (None outside a git checkout; "-dirty" with uncommitted changes), then `extra`."""
+    device = torch.device(device)
+    return dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+                torch=torch.__version__, triton=_version("triton"), transformers=_version("transformers"),
+                dtype=str(dtype).removeprefix("torch."),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                commit=_commit(), **extra)
+
+
+def describe(env: dict[str, Any]) -> str:
+    """One line for a log: `environment`'s record, the absent versions left out."""
+    return "# " + ", ".join(f"{key} {value}" for key, value in env.items() if value is not None)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _commit() -> str | None:
+    try:
+        found = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12", "--exclude=*"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if found.returncode != 0:
+        return None
+    return found.stdout.strip() or None
+
+
+@dataclasses.dataclass(kw_only=True)
+class Row:
+    """One variant measured at one point. A benchmark subclasses it with what it measures; `asdict`
+    is the flat JSON row the docs' tables and plots read: the environment's keys, then the fields."""
+
+    env: dict[str, Any]
+    variant: str
+
+    def asdict(self) -> dict[str, Any]:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "env"}
+        return {**self.env, **fields}
+
+
+def saver(path: Path | None, indent: int = 1) -> Callable[[Any], None]:
+    """save(result): its JSON written to `path` (nothing without a path). Benchmarks save after every
+    measurement, so that a run cut off by the device's time limit keeps what it measured."""
+    if path is None:
+        return lambda result: None
+    return lambda result: path.write_text(json.dumps(result, indent=indent))
+
+
+# --- Dynamo
+
+
+def dynamo_limits(graphs: int) -> None:
+    """Let Dynamo keep `graphs` compiled graphs per code object: a benchmark compiles the same
+    step functions again for every variant, shape and copy of the models."""
+    # No public setter; `cache_size_limit` is `recompile_limit`'s older name (an alias in newer torch).
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, graphs)
+
+
+def release(device: torch.device) -> None:
+    """Free the compiled graphs (and their CUDA-graph pools) and the cached blocks between variants."""
+    torch.compiler.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def graphs_compiled() -> int:
+    """Graphs Dynamo has compiled in this process so far."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]  # no public counter of compiled graphs
+
+
+def inductor_code(fn: Callable, *args: Any) -> tuple[Any, list[str]]:
+    """fn(*args) and the source of the code Inductor generated for it."""
+    from torch._inductor.utils import run_and_get_code  # no public way to read Inductor's output code
+
+    return run_and_get_code(fn, *args)
+
+
+def leaves(tree: Any) -> list[Any]:
+    """The leaves (tensors, fx nodes, ...) of nested tuples, lists and dicts, in order."""
+    from torch.utils._pytree import tree_leaves  # torch has no public pytree module
+
+    return tree_leaves(tree)
+
+
+def guard_check(compiled: Callable, *args: Any) -> Callable[[], bool]:
+    """One evaluation of the Dynamo guards of `compiled`'s one graph on these arguments.
+    `compiled` is a step that specpass compiled under a code object of its own (`step(*args)`
+    calling the `fn` in its closure)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # no public access to a frame's guards
+
+    step = compiled._torchdynamo_orig_callable  # the function torch.compile wrapped
+    (entry,) = _debug_get_cache_entry_list(step.__code__)
+    frame = {"args": args, "fn": step.__closure__[0].cell_contents}  # the frame's locals that guards read
+    return lambda: entry.guard_manager.check(frame)
+
+
+def efficient_attention_lse(q, k, v, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's memory-efficient kernel with its log-sum-exp: (out, lse)."""
+    # The public SDPA returns no log-sum-exp; the aten op behind its efficient backend does.
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)[:2]
+
+
+def fake_process_group(world: int) -> None:
+    """This process as rank 0 of `world` on torch's fake process group, whose collectives do nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"; no public one
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+# --- timing
+
+
+def now(device: torch.device) -> float:
+    """The host clock (seconds) once the device has finished its work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def median_ms(calls: dict[str, Callable[[], Any]], iters: int, warmup: int) -> dict[str, float]:
+    """Median ms of each call, CUDA events around it; the calls take turns (one of each per
+    iteration), so that drift of the GPU's clocks hits them alike. `warmup` untimed rounds first."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(warmup + iters):
+        for name, call in calls.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            if i >= warmup:
+                times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def event_ms(fn: Callable[[], Any], iters: int = 20, warmup: int = 3) -> float:
+    """Median ms of `fn`, CUDA events around each call."""
+    return median_ms({"": fn}, iters, warmup)[""]
+
+
+def capture(calls: Sequence[Callable[[], Any]]) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of `calls`, back to back, after three warm-up calls (the first ones, in turn)
+    on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in itertools.islice(itertools.cycle(calls), 3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph
+
+
+def graph_ms(calls: Sequence[Callable[[], Any]], iters: int = 20, warmup: int = 3) -> float:
+    """ms per call of `calls` captured as one CUDA graph (`capture`): a replay's median / len(calls)."""
+    return event_ms(capture(calls).replay, iters, warmup) / len(calls)
+
+
+def host_ms(fn: Callable[[], Any], repeats: int, calls: int = 1, warmup: int = 1, best: bool = False) -> float:
+    """ms per call on the host clock: `repeats` batches of `calls` calls after `warmup` calls; the
+    median batch, or the fastest with `best`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append(1e3 * (time.perf_counter() - start) / calls)
+    return min(times) if best else statistics.median(times)
+
+
+def op_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """ms per call: on a GPU, two calls in a CUDA graph (`graph_ms`); elsewhere one call on the host
+    clock after one warm-up (a CPU run only checks the script)."""
+    return graph_ms([fn] * 2) if device.type == "cuda" else host_ms(fn, repeats=1)
+
+
+def time_candidates(candidates: dict[str, Callable[[], torch.Tensor]], ref: torch.Tensor) -> dict[str, float | str]:
+    """Per candidate, its largest error against `ref` (`NAME_err`) and µs per call (`NAME_us`,
+    `graph_ms` of 20 calls); one that refuses the shapes gives why instead (`NAME_error`)."""
+    out: dict[str, float | str] = {}
+    for name, fn in candidates.items():
+        try:
+            out[f"{name}_err"] = (fn().float() - ref).abs().max().item()
+            out[f"{name}_us"] = 1e3 * graph_ms([fn] * 20)
+        except Exception as exc:  # a candidate that refuses these shapes says why
+            out[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    return out
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path | None):
+    """The GPU to this process alone while it times: an exclusive lock on the `lock` file, which
+    processes started side by side share (none: no lock)."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# --- the loop's internals. TODO(loop API): each function below becomes the Decoder's public
+# method named in its docstring when specpass.loop lands; swap them here, then inline the calls.
+
+
+class Run(NamedTuple):
+    """A decoding in progress: the loop's state and carry, and the sampling parameters (None: greedy)."""
+
+    state: Any
+    carry: Any
+    params: Any
+
+
+def start(dec, prompts: Sequence[Sequence[int]], max_new_tokens: int, position: int | None = None) -> Run:
+    """The prefill as `generate` runs it (greedy, no EOS) -> the first round's inputs. `position`:
+    every request moved there after the prefill (the slots below hold what the prefill left: a
+    round's time does not depend on them, its shapes are static).
+    TODO(loop API): `dec.start(prompts, max_new_tokens, position=position)`."""
+    from specpass.speculative import prefill
+
+    bs = len(prompts)
+    state, carry = prefill(dec.prefill_step, prompts, [max_new_tokens] * bs, [-1] * bs, None, dec.k, dec.max_batch,
+                           dec.max_len, dec.device)
+    if position is not None:
+        state = state._replace(pos=torch.full_like(state.pos, position))
+    return Run(state, carry, None)
+
+
+def rounds(dec, run: Run, n: int) -> Run:
+    """n rounds as `generate` runs them (CUDA-graph bookkeeping included), no host sync.
+    TODO(loop API): `dec.rounds(run, n)`."""
+    from specpass.speculative import _clone
+
+    state, carry = run.state, run.carry
+    for _ in range(n):
+        if dec.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        state, carry, _ = dec._round(state, carry, run.params)
+        if dec.cudagraphs:  # the next replay overwrites this one's outputs
+            state, carry = _clone(state), _clone(carry)
+    return run._replace(state=state, carry=carry)
+
+
+def compiled_round(dec) -> Callable:
+    """The round's compiled step (fused: one graph), for `guard_check`.
+    TODO(loop API): no public equivalent; the integrator picks how a benchmark reaches it."""
+    return dec._round
+
+
+def use_k(dec, k: int) -> None:
+    """Decode with K drafts per round from now on. TODO(loop API): `dec.use_k(k)`."""
+    dec._bind(k)
+
+
+def tune_k(dec, prompts: Sequence[Sequence[int]], ks: Sequence[int], on_timed: Callable[[int, float], None],
+           **kwargs: Any):
+    """`dec.tune_k(prompts, ks, **kwargs)`, calling on_timed(k, ms) after each K it times.
+    TODO(loop API): `dec.tune_k(prompts, ks, on_timed=on_timed, **kwargs)`."""
+    time_round = dec._round_ms
+
+    def timed(k, *args):
+        ms, acceptance = time_round(k, *args)
+        on_timed(k, ms)
+        return ms, acceptance
+
+    dec._round_ms = timed
+    try:
+        return dec.tune_k(prompts, ks, **kwargs)
+    finally:
+        del dec._round_ms  # the class's method again
+
+
+@contextlib.contextmanager
+def guards_every_round():
+    """Every round of every Decoder under Dynamo's full guards (`generate` skips their evaluation
+    from round 3 on). TODO(loop API): the loop's own switch for its skip-guards stance, if it keeps one."""
+    from unittest import mock
+
+    from specpass import speculative
+
+    with mock.patch.object(speculative, "_skip_guards", contextlib.nullcontext):
+        yield
