@@ -1,6 +1,6 @@
 """Acceptance per draft position of trained drafters on the held-out prompts, greedy, on the CPU.
 
-    python benchmarks/acceptance.py --k 4,6,8 --out acceptance.json \
+    python -m benchmarks.acceptance --k 4,6,8 --out acceptance.json \
         --drafters eagle:checkpoints/stdlib-llama-eagle3,parallel:checkpoints/stdlib-llama-peagle3
 
 Each drafter (KIND:FOLDER, KIND as examples/generate.py's --eagle/--parallel/--draft/--nextn) at
@@ -13,20 +13,30 @@ the tokens per ms a retrained head would reach (docs/results.md, issue 25).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
+import dataclasses
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import harness
+from models.checkpoint import load
+from models.drafters import KINDS, load_drafter
+from models.llama import Llama
+from models.text import encode, load_prompts
+from specpass.speculative import Decoder, cache_slots
 
-from models.checkpoint import load  # noqa: E402
-from models.drafters import KINDS, load_drafter  # noqa: E402
-from models.llama import Llama  # noqa: E402
-from models.text import encode, load_prompts  # noqa: E402
-from specpass.speculative import Decoder, cache_slots  # noqa: E402
+
+@dataclasses.dataclass(kw_only=True)
+class AcceptanceRow(harness.Row):
+    """One drafter (variant: its kind) at one K on the held-out prompts."""
+
+    drafter: str  # its folder
+    kind: str
+    k: int
+    prompts: int
+    new_tokens: int
+    accept_length: float
+    acceptance: list[float]  # per draft position 1..K
 
 
 def drafter_spec(text: str) -> tuple[str, Path]:
@@ -37,8 +47,9 @@ def drafter_spec(text: str) -> tuple[str, Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", type=Path, default=ROOT / "checkpoints" / "stdlib-llama")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.acceptance", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, default=harness.ROOT / "checkpoints" / "stdlib-llama")
     parser.add_argument("--drafters", required=True, type=lambda s: [drafter_spec(t) for t in s.split(",")])
     parser.add_argument("--k", default="4,6,8", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompts", type=int, default=32)
@@ -47,21 +58,21 @@ def main() -> None:
     args = parser.parse_args()
 
     target = load(Llama, args.target, dtype=torch.float32)
+    env = harness.environment("cpu", torch.float32)
     prompts = [encode(t) for t in load_prompts()[: args.prompts]]
-    rows = []
+    save, rows = harness.saver(args.out), []
     for kind, folder in args.drafters:
         drafter = load_drafter(target, kind, folder, dtype=torch.float32)
         for k in args.k:
             max_len = cache_slots(max(map(len, prompts)), args.new_tokens, k, parallel=True)
             metrics = Decoder(target, drafter, k=k, max_batch=len(prompts), max_len=max_len,
                               compile="eager").generate(prompts, args.new_tokens).metrics
-            rows.append(dict(drafter=str(folder), kind=kind, k=k, prompts=len(prompts), new_tokens=args.new_tokens,
-                             accept_length=metrics.accept_length, acceptance=metrics.acceptance,
-                             torch=torch.__version__))
+            rows.append(AcceptanceRow(env=env, variant=kind, drafter=str(folder), kind=kind, k=k, prompts=len(prompts),
+                                      new_tokens=args.new_tokens, accept_length=metrics.accept_length,
+                                      acceptance=metrics.acceptance).asdict())
             print(f"{folder} K {k}: accepted length {metrics.accept_length:.3f}, per position "
                   f"{' '.join(f'{a:.3f}' for a in metrics.acceptance)}", flush=True)
-            if args.out:
-                args.out.write_text(json.dumps(rows, indent=1) + "\n")
+            save(rows)
 
 
 if __name__ == "__main__":

@@ -12,26 +12,23 @@ compares specpass as it comes (the fused projection split by liveness, Q on the 
 `split_min_rows` rows on), specpass splitting at every size (`split_min_rows=0`) and never
 (`split_projections=False`), and the hand-placed Q-slice after the fused projection.
 
-    python benchmarks/catchup.py --out results.json             # the full sweep, on a GPU
-    python benchmarks/catchup.py --fused-qkv --tokens 4 --out fused.json
-    python benchmarks/catchup.py --device cpu --quick           # a smoke test of the script
+    python -m benchmarks.catchup --out results.json             # the full sweep, on a GPU
+    python -m benchmarks.catchup --fused-qkv --tokens 4 --out fused.json
+    python -m benchmarks.catchup --device cpu --quick           # a smoke test of the script
 """
 
 import argparse
 import json
 import pathlib
-import statistics
-import sys
 import types
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # models/ lives in the repo root
-
-import specpass  # noqa: E402
-from models import zoo  # noqa: E402
-from models.eagle3 import Eagle3Config  # noqa: E402
-from models.layers import apply_rope, attend, rope, write_cache  # noqa: E402
+import specpass
+from benchmarks import harness
+from models import zoo
+from models.eagle3 import Eagle3Config
+from models.layers import apply_rope, attend, rope, write_cache
 
 
 def hand_catch_up(self, tokens, positions, hidden, live):
@@ -83,40 +80,18 @@ def fuse_qkv(attn: torch.nn.Module) -> None:
     attn.project = types.MethodType(project, attn)
 
 
-def _replayable(fn, args, graph: bool):
-    """`fn` itself, or a replay of one CUDA graph captured from it."""
-    if not graph:
-        return lambda: fn(*args)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    cuda_graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(cuda_graph):
-        fn(*args)
-    return cuda_graph.replay
-
-
-def median_ms(variants: dict, args, iters: int, graph: bool) -> dict[str, float]:
-    """Median ms per call of each variant; the variants take turns, so drift hits them alike."""
-    calls = {name: _replayable(fn, args, graph) for name, fn in variants.items()}
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for i in range(iters + 5):
-        for name, call in calls.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            call()
-            end.record()
-            end.synchronize()
-            if i >= 5:  # warm-up
-                times[name].append(start.elapsed_time(end))
-    return {name: statistics.median(t) for name, t in times.items()}
+def step_ms(variants: dict, args, iters: int, graph: bool) -> dict[str, float]:
+    """Median ms per step of each variant on `args`, launched as is or as a replay of one CUDA
+    graph captured from it; the variants take turns, so drift hits them alike."""
+    calls = {name: (lambda fn=fn: fn(*args)) for name, fn in variants.items()}
+    if graph:
+        calls = {name: harness.capture([call]).replay for name, call in calls.items()}
+    return harness.median_ms(calls, iters, warmup=5)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.catchup", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2, 4, 8], help="spec_num_tokens")
@@ -136,9 +111,10 @@ def main() -> None:
     if args.fused_qkv:
         fuse_qkv(head.midlayer.self_attn)
     torch.set_grad_enabled(False)
-    torch._dynamo.config.recompile_limit = 64  # one compile per shape and variant
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    print(f"device {device_name}, torch {torch.__version__}")
+    harness.dynamo_limits(64)  # one compile per shape and variant
+    env = harness.environment(args.device, dtype)
+    print(harness.describe(env))
+    save = harness.saver(args.out)
 
     results = []
     for B in args.batch:
@@ -169,17 +145,14 @@ def main() -> None:
                 row[f"{name}_max_err"] = (logits.float() - reference[0].float()).abs().max().item()
             if args.device == "cuda":
                 for suffix, graph in (("_ms", False), ("_graph_ms", True)):
-                    for name, ms in median_ms(variants, inputs, args.iters, graph).items():
+                    for name, ms in step_ms(variants, inputs, args.iters, graph).items():
                         row[name + suffix] = ms
             results.append(row)
             print(json.dumps(row), flush=True)
-            if args.out:  # partial results survive a time-out
-                args.out.write_text(json.dumps(results, indent=1))
+            save(results)  # partial results survive a time-out
     report = specpass.explain(head.catch_up, *inputs)
     print(report)
-    if args.out:
-        args.out.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "fused_qkv": args.fused_qkv,
-                                        "results": results, "report": str(report)}, indent=1))
+    save({**env, "fused_qkv": args.fused_qkv, "results": results, "report": str(report)})
     if args.device != "cuda":
         return
     if args.fused_qkv:

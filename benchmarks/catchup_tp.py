@@ -12,9 +12,9 @@ catchup.py times them, median); the collective bytes per step, from the graph In
 without CUDA graphs: NCCL kernels and their message sizes); and the same two steps on rank 0 alone
 (the unsharded head), for the single-GPU speedup.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/catchup_tp.py --out catchup_tp.json
-    torchrun --nproc-per-node 2 benchmarks/catchup_tp.py --device cpu --quick    # gloo, a tiny head
-    python benchmarks/catchup_tp.py --fake-world 2 --out catchup_tp_compute.json
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.catchup_tp --out catchup_tp.json
+    torchrun --nproc-per-node 2 -m benchmarks.catchup_tp --device cpu --quick    # gloo, a tiny head
+    python -m benchmarks.catchup_tp --fake-world 2 --out catchup_tp_compute.json
 
 --fake-world N runs one process as rank 0 of N on torch's fake process group, whose collectives
 do nothing: the same TP graphs with communication free, so the times are one rank's compute
@@ -27,19 +27,17 @@ import json
 import math
 import os
 import pathlib
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # models/ lives in the repo root
-
-import specpass  # noqa: E402
-from benchmarks.catchup import median_ms  # noqa: E402
-from models import zoo  # noqa: E402
-from models.layers import Attention  # noqa: E402
-from models.tp import shard, tensor_parallel  # noqa: E402
+import specpass
+from benchmarks import harness
+from benchmarks.catchup import step_ms
+from models import zoo
+from models.layers import Attention
+from models.tp import shard, tensor_parallel
 
 _C10D = "_c10d_functional"
 
@@ -49,8 +47,8 @@ def collective_bytes(gm: torch.fx.GraphModule) -> dict[str, int]:
     output is everything it gathered), summed per op."""
     sizes: dict[str, int] = {}
     for node in gm.graph.nodes:
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload) and target.namespace == _C10D and \
+        target = node.target  # an op overload: torch.ops.NAMESPACE.NAME.OVERLOAD
+        if getattr(target, "namespace", None) == _C10D and hasattr(target, "overloadpacket") and \
                 target.overloadpacket.__name__ != "wait_tensor":
             value = node.meta["val"]
             name = target.overloadpacket.__name__
@@ -187,7 +185,8 @@ def table(results: list[dict], world: int, fake: bool = False) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.catchup_tp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--tokens", type=int, default=4, help="spec_num_tokens T")
@@ -203,9 +202,7 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
     fake = args.fake_world is not None
     if fake:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+        harness.fake_process_group(args.fake_world)
     else:
         if cuda:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -214,10 +211,11 @@ def main() -> None:
     processes = 1 if fake else world
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     say = print if rank == 0 else (lambda *a, **k: None)
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    say(f"{processes} x {name}, TP = {world}{' (fake: collectives free)' if fake else ''}, torch {torch.__version__}, "
-        f"T = {args.tokens}")
-    torch._dynamo.config.recompile_limit = 64  # one compile per shape and variant
+    dtype = torch.float32 if args.quick else torch.bfloat16
+    env = harness.environment(device, dtype)
+    env["device"] = f"{processes} x {env['device']}"
+    say(f"{harness.describe(env)}; TP = {world}{' (fake: collectives free)' if fake else ''}, T = {args.tokens}")
+    harness.dynamo_limits(64)  # one compile per shape and variant
     checked = [] if fake else ["tiny-llama-eagle3", "tiny-llama-draft"] + ([] if args.quick else ["llama3-8b-eagle3"])
     for head in checked:
         check(head, dist.group.WORLD, device, specpass)
@@ -226,9 +224,9 @@ def main() -> None:
             "equal the unrewritten TP step's and the single-device step's")
 
     if args.quick:
-        config, dtype, args.batch, args.cache = zoo.config("tiny-llama-eagle3"), torch.float32, [2, 3], 64
+        config, args.batch, args.cache = zoo.config("tiny-llama-eagle3"), [2, 3], 64
     else:
-        config, dtype = zoo.config("llama3-8b-eagle3"), torch.bfloat16
+        config = zoo.config("llama3-8b-eagle3")
     torch.set_grad_enabled(False)
     full = zoo.build(config, device=device, dtype=dtype)
     tp = tensor_parallel(full, dist.group.WORLD)
@@ -249,7 +247,7 @@ def main() -> None:
             if not fake:
                 row[f"{v}_profiled"] = profiled_collectives(fn, inputs, inputs[2].element_size())
         if cuda:
-            for v, ms in median_ms(steps, inputs, args.iters, graph=True).items():
+            for v, ms in step_ms(steps, inputs, args.iters, graph=True).items():
                 row[f"tp_{v}_ms"] = ms
         results.append(row)
         say(json.dumps(row), flush=True)
@@ -271,7 +269,7 @@ def main() -> None:
                 single[B][f"{v}_max_err"] = max((logits.float() - reference[0].float()).abs().max().item(),
                                                 (hidden_out.float() - reference[1].float()).abs().max().item())
         if cuda:
-            for v, ms in median_ms(variants(full), inputs, args.iters, graph=True).items():
+            for v, ms in step_ms(variants(full), inputs, args.iters, graph=True).items():
                 single[B][f"single_{v}_ms"] = ms
     full.setup_caches(1, 1, device=device, dtype=dtype)
     shared = [single] if fake else [None] * world
@@ -281,7 +279,7 @@ def main() -> None:
         for part in shared:
             row.update(part.get(row["batch"], {}))
     if rank == 0 and args.out:
-        meta = {"device": f"{processes} x {name}", "tp": world, "collectives_free": fake, "torch": torch.__version__}
+        meta = {**env, "tp": world, "collectives_free": fake}
         args.out.write_text(json.dumps({**meta, "results": results, "report": str(report)}, indent=1))
     if cuda:
         say(table(results, world, fake))

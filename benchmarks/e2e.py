@@ -1,10 +1,10 @@
 """End to end on a GPU: tokens/s of greedy decoding with the shipped pair, every variant side by side.
 
-    python benchmarks/e2e.py --out e2e.json                      # the sweep (bf16), then the fp32 check
-    python benchmarks/e2e.py --bs 1,8 --out a.json               # a part of it (results merge by key)
-    python benchmarks/e2e.py --plot docs/e2e.json                # docs/e2e.png and the table (CPU, no GPU)
-    python benchmarks/e2e.py --device cpu --quick                # a smoke test of the script
-    python benchmarks/e2e.py --sampling 0,0.6,1.0,0.6:0.95 --out docs/e2e_sampling.json   # sampled
+    python -m benchmarks.e2e --out e2e.json                      # the sweep (bf16), then the fp32 check
+    python -m benchmarks.e2e --bs 1,8 --out a.json               # a part of it (results merge by key)
+    python -m benchmarks.e2e --plot docs/e2e.json                # docs/e2e.png and the table (CPU, no GPU)
+    python -m benchmarks.e2e --device cpu --quick                # a smoke test of the script
+    python -m benchmarks.e2e --sampling 0,0.6,1.0,0.6:0.95 --out docs/e2e_sampling.json   # sampled
 
 Variants, all greedy, on the held-out prompts (checkpoints/prompts.json), no EOS, the same number
 of new tokens per request:
@@ -41,6 +41,7 @@ design; tests/test_sampling.py tests the distribution).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -48,16 +49,39 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import harness
 
-CHECKPOINTS = ROOT / "checkpoints"
+CHECKPOINTS = harness.ROOT / "checkpoints"
 TARGET, DRAFTERS = CHECKPOINTS / "stdlib-llama", {"eagle3": ("eagle", CHECKPOINTS / "stdlib-llama-eagle3"),
                                                    "draft": ("draft", CHECKPOINTS / "stdlib-llama-draft"),
                                                    "parallel": ("parallel", CHECKPOINTS / "stdlib-llama-peagle3")}
 LOOPS = {"inductor-apart": ("inductor", False), "specpass-apart": ("specpass", False),
          "specpass-fused": ("specpass", True)}
 SWEPT = ("eagle3/specpass-fused", "parallel/specpass-fused")  # the variants also run at each K of --k-sweep
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoopRow(harness.Row):
+    """One variant at one batch size and K (0: no drafts), greedy or sampled; None: not measured
+    (the HF variants have no rounds, greedy rows no temperature)."""
+
+    bs: int
+    k: int
+    agree: bool | None = None  # greedy: the tokens equal the reference's (plain decoding's)
+    prefix: float | None = None  # greedy: mean fraction of each request's tokens before the first difference
+    temperature: float | None = None
+    top_p: float | None = None
+    round_vs_greedy: float | None = None  # sampled: ms per round over the same variant's greedy round
+    tokens_per_s: float  # median over the passes
+    pass_tokens_per_s: list[float] | None  # pass i of every loop variant ran side by side
+    decode_tokens_per_s: float | None  # the rounds alone
+    prefill_ms: float | None
+    accept_length: float | None
+    acceptance: list[float] | None
+    round_ms: float | None
+    phase_ms: dict[str, float] | None  # steps apart: each step's ms (one more run, CUDA events)
+    compile_s: float  # the first generate's wall time
+    profile: dict | None = None  # --profile: `kernels_per_round`
 
 
 def prefix_agreement(got: list[list[int]], want: list[list[int]]) -> float:
@@ -87,10 +111,7 @@ class Bench:
                          for name, (kind, path) in DRAFTERS.items()}
         self.prompts = load_prompts()
         self.decoders = {}  # (variant, batch, cache length) -> Decoder: other samplings reuse its models
-        # Every variant compiles the same step functions again, for its own models.
-        for name in ("cache_size_limit", "recompile_limit"):
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, 1024)
+        harness.dynamo_limits(1024)  # every variant compiles the same step functions again, for its own models
 
     def batch(self, bs: int) -> list[list[int]]:
         from models.text import encode
@@ -151,7 +172,7 @@ class Bench:
 
         hf_logging.disable_progress_bar()
         torch = self.torch
-        torch._dynamo.reset()
+        torch.compiler.reset()
         load = lambda path: LlamaForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()  # noqa: E731
         model = load(TARGET)
         kwargs = dict(max_new_tokens=self.args.new_tokens, do_sample=False, pad_token_id=0)
@@ -164,12 +185,10 @@ class Bench:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
 
         def generate():
-            self._sync()
-            start = time.perf_counter()
+            start = harness.now(self.device)
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=mask, **kwargs)
-            self._sync()
-            return out[:, width:].tolist(), time.perf_counter() - start
+            return out[:, width:].tolist(), harness.now(self.device) - start
 
         start = time.perf_counter()
         generate()
@@ -178,10 +197,6 @@ class Bench:
         seconds = statistics.median(s for _, s in runs)
         return dict(tokens=runs[0][0], tokens_per_s=len(prompts) * self.args.new_tokens / seconds, pass_tokens_per_s=None,
                     decode_tokens_per_s=None, prefill_ms=None, accept_length=None, acceptance=None, round_ms=None, phase_ms=None, compile_s=compile_s)
-
-    def _sync(self):
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize()
 
 
 def kernels_per_round(decoder, prompts, new: int, sampling: dict) -> dict:
@@ -205,16 +220,14 @@ def sweep(args, save) -> list[dict]:
     bench = Bench(args)
     torch = bench.torch
     rows = []
-    where = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
-    env = dict(device=where, torch=torch.__version__, dtype=args.dtype, new_tokens=args.new_tokens)
-    print(f"# {where}, torch {torch.__version__}, {args.dtype}, {args.new_tokens} new tokens per request",
-          file=sys.stderr)
+    env = harness.environment(bench.device, args.dtype, new_tokens=args.new_tokens)
+    print(harness.describe(env), file=sys.stderr)
 
     def record(variant: str, bs: int, k: int, result: dict, reference: list[list[int]]):
         agree = result["tokens"] == reference
         prefix = prefix_agreement(result["tokens"], reference)
-        row = dict(env, variant=variant, bs=bs, k=k, agree=agree, prefix=prefix,
-                   **{key: v for key, v in result.items() if key != "tokens"})
+        row = LoopRow(env=env, variant=variant, bs=bs, k=k, agree=agree, prefix=prefix,
+                      **{key: v for key, v in result.items() if key != "tokens"}).asdict()
         rows.append(row)
         save(rows)
         print(f"  bs {bs} k {k} {variant}: {row['tokens_per_s']:.0f} tok/s, accept {row['accept_length']}, "
@@ -237,7 +250,7 @@ def sweep(args, save) -> list[dict]:
         if "hf-assisted" in args.variants and bs == 1:
             record("hf-assisted", bs, 0, bench.run_hf(prompts, assistant=True), reference)
         bench.decoders.clear()
-        torch._dynamo.reset()  # frees the compiled graphs of this batch size
+        torch.compiler.reset()  # frees the compiled graphs of this batch size
     return rows
 
 
@@ -246,9 +259,8 @@ def sweep_sampling(args, save) -> list[dict]:
     of `args.sampling` (greedy first, the reference of "round vs greedy") and batch size."""
     bench = Bench(args)
     torch = bench.torch
-    where = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
-    env = dict(device=where, torch=torch.__version__, dtype=args.dtype, new_tokens=args.new_tokens)
-    print(f"# {where}, torch {torch.__version__}, {args.dtype}, sampling", file=sys.stderr)
+    env = harness.environment(bench.device, args.dtype, new_tokens=args.new_tokens)
+    print(f"{harness.describe(env)}; sampling", file=sys.stderr)
     loops = [("plain", None, "inductor", True, 0, False)]
     for k in dict.fromkeys([args.k, *args.k_sweep]):
         loops += [("eagle3/specpass-fused", "eagle3", "specpass", True, k, False),
@@ -264,9 +276,9 @@ def sweep_sampling(args, save) -> list[dict]:
             for (variant, _, _, _, k, _), r in bench.run_loops(prompts, variants, sampling).items():
                 if temperature == 0:
                     greedy_round[variant, k] = greedy_round[f"{variant}-greedy-drafts", k] = r["round_ms"]
-                row = dict(env, variant=variant, bs=bs, k=k, temperature=temperature, top_p=top_p,
-                           round_vs_greedy=r["round_ms"] / greedy_round[variant, k],
-                           **{key: v for key, v in r.items() if key != "tokens"})
+                row = LoopRow(env=env, variant=variant, bs=bs, k=k, temperature=temperature, top_p=top_p,
+                              round_vs_greedy=r["round_ms"] / greedy_round[variant, k],
+                              **{key: v for key, v in r.items() if key != "tokens"}).asdict()
                 rows.append(row)
                 save(rows)
                 profiled = f", {r['profile']['kernels']} kernels {r['profile']['us']} us per round" if "profile" in r else ""
@@ -274,7 +286,7 @@ def sweep_sampling(args, save) -> list[dict]:
                       f"accept {row['accept_length']}, round {row['round_ms']:.3f} ms "
                       f"({row['round_vs_greedy']:.2f}x greedy){profiled}", file=sys.stderr)
         bench.decoders.clear()
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return rows
 
 
@@ -380,7 +392,8 @@ def merge(path: Path, rows: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--bs", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])
@@ -408,7 +421,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.plot:
         rows = json.loads(args.plot.read_text())
-        plot(rows, ROOT / "docs" / "e2e.png")
+        plot(rows, harness.ROOT / "docs" / "e2e.png")
         print(table(rows))
         return
     unknown = sorted(set(args.variants) - set(all_variants))

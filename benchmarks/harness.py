@@ -32,6 +32,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from specpass import speculative  # TODO(loop API): the loop's internals below; specpass.loop replaces it
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository: checkpoints/, docs/
 
 
@@ -276,10 +278,8 @@ def start(dec, prompts: Sequence[Sequence[int]], max_new_tokens: int, position: 
     every request moved there after the prefill (the slots below hold what the prefill left: a
     round's time does not depend on them, its shapes are static).
     TODO(loop API): `dec.start(prompts, max_new_tokens, position=position)`."""
-    from specpass.speculative import prefill
-
     bs = len(prompts)
-    state, carry = prefill(dec.prefill_step, prompts, [max_new_tokens] * bs, [-1] * bs, None, dec.k, dec.max_batch,
+    state, carry = speculative.prefill(dec.prefill_step, prompts, [max_new_tokens] * bs, [-1] * bs, None, dec.k, dec.max_batch,
                            dec.max_len, dec.device)
     if position is not None:
         state = state._replace(pos=torch.full_like(state.pos, position))
@@ -289,15 +289,13 @@ def start(dec, prompts: Sequence[Sequence[int]], max_new_tokens: int, position: 
 def rounds(dec, run: Run, n: int) -> Run:
     """n rounds as `generate` runs them (CUDA-graph bookkeeping included), no host sync.
     TODO(loop API): `dec.rounds(run, n)`."""
-    from specpass.speculative import _clone
-
     state, carry = run.state, run.carry
     for _ in range(n):
         if dec.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
         state, carry, _ = dec._round(state, carry, run.params)
         if dec.cudagraphs:  # the next replay overwrites this one's outputs
-            state, carry = _clone(state), _clone(carry)
+            state, carry = speculative._clone(state), speculative._clone(carry)
     return run._replace(state=state, carry=carry)
 
 
@@ -335,8 +333,6 @@ def guards_every_round():
     """Every round of every Decoder under Dynamo's full guards (`generate` skips their evaluation
     from round 3 on). TODO(loop API): the loop's own switch for its skip-guards stance, if it keeps one."""
     from unittest import mock
-
-    from specpass import speculative
 
     with mock.patch.object(speculative, "_skip_guards", contextlib.nullcontext):
         yield

@@ -1,7 +1,7 @@
 """specpass.generate on transformers models against transformers' own generate and the zoo loop.
 
-    python benchmarks/hf_generate.py --out hf_generate.json       # GPU: bs 1, 8, 32, 64, bf16
-    python benchmarks/hf_generate.py --quick --device cpu          # a smoke test of the script
+    python -m benchmarks.hf_generate --out hf_generate.json       # GPU: bs 1, 8, 32, 64, bf16
+    python -m benchmarks.hf_generate --quick --device cpu          # a smoke test of the script
 
 The shipped pair loaded by transformers (`LlamaForCausalLM.from_pretrained`: checkpoints/stdlib-llama
 and the standalone draft stdlib-llama-draft; the EAGLE-3 head stdlib-llama-eagle3 through the zoo
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import copy
+import dataclasses
 import itertools
 import json
 import statistics
@@ -44,12 +44,27 @@ import sys
 import time
 from pathlib import Path
 
-START = time.perf_counter()
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks import harness
 
-CHECKPOINTS = ROOT / "checkpoints"
+START = time.perf_counter()
+CHECKPOINTS = harness.ROOT / "checkpoints"
 TARGET, DRAFT, EAGLE3 = (CHECKPOINTS / n for n in ("stdlib-llama", "stdlib-llama-draft", "stdlib-llama-eagle3"))
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerateRow(harness.Row):
+    """One variant at one batch size; the loop's figures (None for transformers' own generate)."""
+
+    bs: int
+    tokens_per_s: float  # new tokens over generate's wall time, median of the passes
+    accept_length: float | None = None
+    agree: bool  # the new tokens equal the reference's
+    compile_s: float | None = None  # the first call's wall time
+    rewrites: dict | None = None  # ours: compiled step -> pass -> rewrites
+    rounds: int | None = None
+    prefill_ms: float | None = None
+    round_ms: float | None = None
+    outside_ms: float | None = None  # generate's wall time beyond the Decoder's
 
 
 class Bench:
@@ -64,9 +79,7 @@ class Bench:
         from models.llama import Llama
 
         hf_logging.disable_progress_bar()
-        for name in ("cache_size_limit", "recompile_limit"):  # every variant compiles the same step functions
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, 1024)
+        harness.dynamo_limits(1024)  # every variant compiles the same step functions
         self.torch, self.args = torch, args
         self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
         cuda = self.device.type == "cuda"
@@ -144,14 +157,10 @@ class Bench:
 
     def timed(self, run, ids, mask, prompts) -> tuple[float, list[list[int]], object]:
         """-> (wall seconds, new tokens, the loop's Metrics or None)."""
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize()
-        start = time.perf_counter()
+        start = harness.now(self.device)
         with self.torch.no_grad():
             tokens, metrics = run(ids, mask, prompts)
-        if self.device.type == "cuda":
-            self.torch.cuda.synchronize()
-        return time.perf_counter() - start, tokens, metrics
+        return harness.now(self.device) - start, tokens, metrics
 
     def profile(self, name, run, ids, mask, prompts) -> str:
         """One generate under torch.profiler -> its GPU kernels (prefill included): per kernel name,
@@ -177,12 +186,9 @@ class Bench:
 
 def guarded(run):
     """run with Decoder.generate's rounds 3 on under Dynamo's guards too (they skip them otherwise)."""
-    from unittest import mock
-
-    from specpass import speculative
 
     def with_guards(*args):
-        with mock.patch.object(speculative, "_skip_guards", contextlib.nullcontext):
+        with harness.guards_every_round():
             return run(*args)
     return with_guards
 
@@ -203,9 +209,9 @@ def _cpu_backend():
 def sweep(args) -> list[dict]:
     bench = Bench(args)
     torch = bench.torch
-    where = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
-    env = dict(device=where, torch=torch.__version__, dtype=args.dtype, new_tokens=args.new_tokens, k=args.k)
-    rows = [] if args.no_qwen3 else tiny_qwen3(args)
+    env = harness.environment(bench.device, args.dtype, new_tokens=args.new_tokens, k=args.k)
+    print(harness.describe(env), file=sys.stderr)
+    rows = [] if args.no_qwen3 else tiny_qwen3(args, env)
     for bs in args.bs:
         if time.perf_counter() - START > args.deadline:
             print(f"  bs {bs}: skipped, past --deadline", file=sys.stderr)
@@ -230,16 +236,16 @@ def sweep(args) -> list[dict]:
         reference = results.get("specpass/plain", next(iter(results.values())))["tokens"]
         for name, r in results.items():
             seconds = statistics.median(s for s, _ in r["runs"])
-            row = dict(env, variant=name, bs=bs, tokens_per_s=bs * args.new_tokens / seconds,
-                       accept_length=None, agree=r["tokens"] == reference, compile_s=r["compile_s"],
-                       rewrites=getattr(variants[name], "rewrites", None))
+            row = GenerateRow(env=env, variant=name, bs=bs, tokens_per_s=bs * args.new_tokens / seconds,
+                              agree=r["tokens"] == reference, compile_s=r["compile_s"],
+                              rewrites=getattr(variants[name], "rewrites", None))
             loop = [m for _, m in r["runs"] if m is not None]
             if loop:
-                row.update(accept_length=loop[0].accept_length, rounds=loop[0].rounds,
-                           prefill_ms=statistics.median(1e3 * m.prefill_seconds for m in loop),
-                           round_ms=statistics.median(1e3 * (m.seconds - m.prefill_seconds) / m.rounds for m in loop),
-                           outside_ms=statistics.median(1e3 * (s - m.seconds) for s, m in r["runs"]))
-            rows.append(row)
+                row.accept_length, row.rounds = loop[0].accept_length, loop[0].rounds
+                row.prefill_ms = statistics.median(1e3 * m.prefill_seconds for m in loop)
+                row.round_ms = statistics.median(1e3 * (m.seconds - m.prefill_seconds) / m.rounds for m in loop)
+                row.outside_ms = statistics.median(1e3 * (s - m.seconds) for s, m in r["runs"])
+            rows.append(row.asdict())
         if bs == args.profile_bs:
             text = "\n\n".join(bench.profile(name, variants[name], ids, mask, prompts)
                                for name in variants if name.startswith(("specpass/", "zoo/")))
@@ -249,11 +255,11 @@ def sweep(args) -> list[dict]:
         if args.out:  # after every batch size: a run cut short keeps what it measured
             args.out.write_text(json.dumps(rows, indent=1))
         print(table(rows), file=sys.stderr)
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return rows
 
 
-def tiny_qwen3(args) -> list[dict]:
+def tiny_qwen3(args, env: dict) -> list[dict]:
     """A tiny random Qwen3 and a perturbed copy as its draft: another family, end to end (no speed claim).
     "agree": the new tokens equal the target's own `generate(do_sample=False)`."""
     import torch
@@ -284,8 +290,8 @@ def tiny_qwen3(args) -> list[dict]:
             out = run()
             if args.device == "cuda":
                 torch.cuda.synchronize()
-            rows.append(dict(variant=name, bs=1, tokens_per_s=args.new_tokens / (time.perf_counter() - start),
-                             accept_length=None, agree=torch.equal(out, reference), device=args.device))
+            rows.append(GenerateRow(env=env, variant=name, bs=1, agree=torch.equal(out, reference),
+                                    tokens_per_s=args.new_tokens / (time.perf_counter() - start)).asdict())
     return rows
 
 
@@ -301,7 +307,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hf_generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--bs", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])

@@ -1,8 +1,8 @@
 """The live-row pass on every causal LM in the installed transformers (CPU, random tiny weights).
 
-    python benchmarks/hf_sweep.py --out hf_sweep.json          # every architecture (~5 min)
-    python benchmarks/hf_sweep.py --only llama,phi3,gemma       # some of them
-    python benchmarks/hf_sweep.py --table hf_sweep.json         # the markdown table of a run
+    python -m benchmarks.hf_sweep --out hf_sweep.json          # every architecture (~5 min)
+    python -m benchmarks.hf_sweep --only llama,phi3,gemma       # some of them
+    python -m benchmarks.hf_sweep --table hf_sweep.json         # the markdown table of a run
 
 For each model type in transformers' causal-LM auto mapping: a tiny random config (2 layers,
 hidden 32, 2 query heads of 16, 1 KV head, vocabulary 96), a `StaticCache`, a 3-token prefill
@@ -29,17 +29,18 @@ import warnings
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specpass.graph import is_mutation  # noqa: E402
-from specpass.testing import full_row_matmuls  # noqa: E402
+from benchmarks import harness
+from specpass.graph import is_mutation
+from specpass.testing import full_row_matmuls
 
 B, PREFIX, T, CACHE = 3, 3, 4, 16
 SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
              eos_token_id=2)
 MAX_PARAMS = 5_000_000
+
+
 def architectures() -> dict[str, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -94,7 +95,7 @@ def sweep_one(model_type: str, class_name: str) -> dict:
         with torch.no_grad():
             cache = new_cache()
             model(input_ids=ids[:, :PREFIX], past_key_values=cache, use_cache=True)
-            torch._dynamo.reset()
+            torch.compiler.reset()
             got = torch.compile(step_with(cache), backend=_recording_backend(pieces, calls), fullgraph=fullgraph,
                                 dynamic=False)(ids[:, PREFIX:], positions)
         return got, cache
@@ -128,7 +129,7 @@ def sweep_one(model_type: str, class_name: str) -> dict:
         except Exception as exc:
             try:  # is it specpass, or does Dynamo itself fail on this step?
                 with torch.no_grad():
-                    torch._dynamo.reset()
+                    torch.compiler.reset()
                     torch.compile(step_with(new_cache()), backend="eager")(ids[:, PREFIX:], positions)
             except Exception:
                 return row | dict(built=False, reason=f"torch.compile fails with backend='eager' too: "
@@ -222,7 +223,7 @@ def _outputs_feeding_writes(pieces: list[dict], calls: list[tuple[int, tuple, ob
         if "result" not in pieces[index]:
             continue
         gm = pieces[index]["result"].graph_module
-        outputs = {o for o, t in enumerate(tree_leaves(out)) if _storage(t) in feeding}
+        outputs = {o for o, t in enumerate(harness.leaves(out)) if _storage(t) in feeding}
         written[index] |= outputs
         feeding |= {_storage(a) for p, a in zip(gm.graph.find_nodes(op="placeholder"), args)
                     if _reaches(gm, p, outputs)} - {None}
@@ -231,7 +232,7 @@ def _outputs_feeding_writes(pieces: list[dict], calls: list[tuple[int, tuple, ob
 
 def _reaches(gm, node, outputs: set[int]) -> bool:
     """Does `node` feed an in-place write of its graph, or one of these outputs of it?"""
-    targets = {leaf for o, leaf in enumerate(tree_leaves(gm.graph.output_node().args[0])) if o in outputs}
+    targets = {leaf for o, leaf in enumerate(harness.leaves(gm.graph.output_node().args[0])) if o in outputs}
     seen, todo = set(), [node]
     while todo:
         n = todo.pop()
@@ -305,7 +306,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hf_sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", help="comma-separated model types")
     parser.add_argument("--out", type=Path, help="write the rows as JSON (as it goes)")
     parser.add_argument("--table", type=Path, help="print the table of a JSON file and exit")

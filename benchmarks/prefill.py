@@ -2,15 +2,15 @@
 Inductor and specpass (issue 24).
 
 The zoo's `llama3-8b` target and `llama3-8b-eagle3` head (random weights, bf16), the `Decoder`'s
-prefill (`Decoder.prefill_step`, called through `specpass.speculative.prefill`, as `generate` does):
+prefill (`Decoder.prefill_step`, called as `generate` calls it):
 the target on every prompt row, the first token from each request's last row, then the drafter's
 catch-up over the prompt and its first draft. Eager computes the target's logits on every prompt
 row ([B, P, 128256]); plain Inductor compiles the same graph as it is; specpass's live-row pass
 leaves the target's and the head's lm_head (and the target's last layer after its K/V write) one
 row per request. The compiled prefill has a symbolic prompt length: one graph for every length.
 
-    python benchmarks/prefill.py --out prefill.json          # bs 1 and 16, 4K prompts, on a GPU
-    python benchmarks/prefill.py --quick --device cpu        # a smoke test: tiny models
+    python -m benchmarks.prefill --out prefill.json          # bs 1 and 16, 4K prompts, on a GPU
+    python -m benchmarks.prefill --quick --device cpu        # a smoke test: tiny models
 
 Per batch size, each variant is built, compiled (a first call), checked on a second prompt length
 (graphs compiled by it: 0 when one graph serves every length) and timed:
@@ -24,7 +24,7 @@ Per batch size, each variant is built, compiled (a first call), checked on a sec
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
 import json
 import logging
 import statistics
@@ -35,15 +35,35 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import specpass  # noqa: E402
-from models import zoo  # noqa: E402
-from models.drafters import ZooDrafter  # noqa: E402
-from specpass.speculative import Decoder, prefill  # noqa: E402
+import specpass
+from benchmarks import harness
+from models import zoo
+from models.drafters import ZooDrafter
+from specpass.speculative import Decoder
 
 GB = 1 << 30
+
+
+@dataclasses.dataclass(kw_only=True)
+class PrefillRow(harness.Row):
+    """One variant's prefill at one batch size (None: not measured, e.g. after an OOM, or off CUDA)."""
+
+    bs: int
+    prompt: int
+    first_call_ms: float | None = None  # compiles
+    graphs_compiled: int | None = None
+    other_length_ms: float | None = None
+    other_length: int | None = None
+    other_length_graphs: int | None = None  # graphs compiled for it: 0 when one graph serves every length
+    ttft_ms: float | None = None  # median of --repeats calls
+    peak_gb: float | None = None  # torch.cuda.max_memory_allocated over one prefill
+    resident_gb: float | None = None  # allocated before it (weights, KV caches)
+    added_gb: float | None = None
+    first: list[int] | None = None  # each request's first token
+    specpass_warnings: list[str] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    seconds: float | None = None  # to build, compile and time it
+    same_first: float | None = None  # the fraction of requests whose first token is eager's
 
 
 class Reports(logging.Handler):
@@ -76,31 +96,24 @@ class Bench:
             return specpass.backend(handoff="eager") if variant == "specpass" else "eager"
         return variant
 
-    def sync(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    def run(self, row: PrefillRow) -> None:
+        """One variant at one batch size: compile, second length, timed calls; measured into `row`."""
+        bs, prompt = row.bs, row.prompt
+        other = prompt - prompt // 16
+        dec = Decoder(self.target, ZooDrafter(self.head), k=self.args.k, max_batch=bs, max_len=prompt + 64,
+                      compile=self.compiler(row.variant))
 
-    def run(self, variant: str, bs: int) -> dict:
-        """One variant at one batch size: compile, second length, timed calls."""
-        prompt, other = self.args.prompt, self.args.prompt - self.args.prompt // 16
-        max_len = prompt + 64
-        dec = Decoder(self.target, ZooDrafter(self.head), k=self.args.k, max_batch=bs, max_len=max_len,
-                      compile=self.compiler(variant))
+        def call(prompts) -> tuple[torch.Tensor, float]:
+            start = harness.now(self.device)
+            run = harness.start(dec, prompts, 1)
+            return run.state.last, 1e3 * (harness.now(self.device) - start)
 
-        def call(prompts):
-            start = self.sync()
-            state, _ = prefill(dec.prefill_step, prompts, [1] * bs, [-1] * bs, None, dec.k, bs, max_len, self.device)
-            return state.last, 1e3 * (self.sync() - start)
-
-        row = dict(variant=variant, bs=bs, prompt=prompt)
-        graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
-        before = graphs()
-        _, row["first_call_ms"] = call(self.prompts(bs, prompt))  # compiles
-        row["graphs_compiled"] = graphs() - before
-        before = graphs()
-        _, row["other_length_ms"] = call(self.prompts(bs, other))
-        row["other_length"], row["other_length_graphs"] = other, graphs() - before
+        before = harness.graphs_compiled()
+        _, row.first_call_ms = call(self.prompts(bs, prompt))  # compiles
+        row.graphs_compiled = harness.graphs_compiled() - before
+        before = harness.graphs_compiled()
+        _, row.other_length_ms = call(self.prompts(bs, other))
+        row.other_length, row.other_length_graphs = other, harness.graphs_compiled() - before
         prompts, samples, peaks = self.prompts(bs, prompt), [], []
         for _ in range(self.args.repeats):
             if self.cuda:
@@ -110,27 +123,18 @@ class Bench:
             samples.append(ms)
             if self.cuda:
                 peaks.append((torch.cuda.max_memory_allocated(), resident))
-        row["ttft_ms"] = statistics.median(samples)
+        row.ttft_ms = statistics.median(samples)
         if peaks:
             peak, resident = max(peaks)
-            row.update(peak_gb=peak / GB, resident_gb=resident / GB, added_gb=(peak - resident) / GB)
-        row["first"] = first[:bs].tolist()
-        del dec
-        return row
-
-    def release(self):
-        torch._dynamo.reset()
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
+            row.peak_gb, row.resident_gb, row.added_gb = peak / GB, resident / GB, (peak - resident) / GB
+        row.first = first[:bs].tolist()
 
 
 def sweep(args, save) -> dict:
     bench = Bench(args)
-    env = dict(device=torch.cuda.get_device_name() if bench.cuda else "cpu", torch=torch.__version__,
-               dtype=str(next(bench.target.parameters()).dtype).removeprefix("torch."))
+    env = harness.environment(bench.device, next(bench.target.parameters()).dtype)
     result = dict(env=env, rows=[], reports={})
-    print(f"# {env}", file=sys.stderr, flush=True)
+    print(harness.describe(env), file=sys.stderr, flush=True)
     reports = Reports()
     log = logging.getLogger("specpass")
     log.addHandler(reports)
@@ -140,50 +144,54 @@ def sweep(args, save) -> dict:
         for variant in args.variants:
             reports.lines.clear()
             start = time.perf_counter()
+            row = PrefillRow(env=env, variant=variant, bs=bs, prompt=args.prompt)
             try:
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", specpass.SpecpassWarning)
-                    row = bench.run(variant, bs)
-                row["specpass_warnings"] = [str(w.message)[:300] for w in caught
-                                            if issubclass(w.category, specpass.SpecpassWarning)]
+                    bench.run(row)
+                row.specpass_warnings = [str(w.message)[:300] for w in caught
+                                         if issubclass(w.category, specpass.SpecpassWarning)]
             except torch.OutOfMemoryError as exc:
-                row = dict(variant=variant, bs=bs, prompt=args.prompt, error=f"OOM: {str(exc)[:200]}")
-            row.update(env, seconds=time.perf_counter() - start)
-            if "first" in row:
-                eager_first = row["first"] if variant == "eager" else eager_first
+                row = PrefillRow(env=env, variant=variant, bs=bs, prompt=args.prompt, error=f"OOM: {str(exc)[:200]}")
+            row.seconds = time.perf_counter() - start
+            if row.first is not None:
+                eager_first = row.first if variant == "eager" else eager_first
                 if eager_first is not None:
-                    row["same_first"] = sum(a == b for a, b in zip(row["first"], eager_first)) / bs
+                    row.same_first = sum(a == b for a, b in zip(row.first, eager_first)) / bs
             if variant == "specpass":
                 result["reports"][f"bs{bs}"] = [line for line in reports.lines if "live_rows] rewrote" in line
                                                 or line.startswith("specpass:")][:12]
-            result["rows"].append(row)
+            result["rows"].append(row.asdict())
             save(result)
             print(f"  bs {bs} {variant}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
-                                                       for k, v in row.items() if k not in env and k != "first"),
+                                                       for k, v in result["rows"][-1].items()
+                                                       if k not in env and k != "first" and v is not None),
                   file=sys.stderr, flush=True)
-            bench.release()
+            harness.release(bench.device)
     return result
 
 
 def table(result: dict) -> str:
     lines = ["| bs | prompt | variant | TTFT ms | vs eager | peak GB | added GB | first call s (compiles) | "
              "graphs for a 2nd length | same first tokens as eager |", "|" + "---|" * 10]
-    eager = {r["bs"]: r for r in result["rows"] if r["variant"] == "eager" and "ttft_ms" in r}
+    eager = {r["bs"]: r for r in result["rows"] if r["variant"] == "eager" and r.get("ttft_ms") is not None}
     for r in result["rows"]:
-        if "ttft_ms" not in r:
+        if r.get("ttft_ms") is None:
             lines.append(f"| {r['bs']} | {r['prompt']} | {r['variant']} | {r.get('error', '-')} |" + " |" * 6)
             continue
         base = eager.get(r["bs"])
         ratio = f"{base['ttft_ms'] / r['ttft_ms']:.2f}x" if base else "-"
-        mem = lambda k: f"{r[k]:.2f}" if k in r else "-"  # noqa: E731
+        mem = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else "-"  # noqa: E731
+        same = r.get("same_first")
         lines.append(f"| {r['bs']} | {r['prompt']} | {r['variant']} | {r['ttft_ms']:.1f} | {ratio} | "
                      f"{mem('peak_gb')} | {mem('added_gb')} | {r['first_call_ms'] / 1e3:.1f} | "
-                     f"{r['other_length_graphs']} | {r.get('same_first', 1.0):.2f} |")
+                     f"{r['other_length_graphs']} | {1.0 if same is None else same:.2f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefill", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--bs", default="16,1", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--prompt", type=int, default=4096)
@@ -199,9 +207,8 @@ def main() -> None:
         return
     if args.quick:
         args.bs, args.prompt, args.repeats = [2], 32, 1
-    save = (lambda r: args.out.write_text(json.dumps(r, indent=1))) if args.out else (lambda r: None)
     torch.set_grad_enabled(False)
-    print(table(sweep(args, save)))
+    print(table(sweep(args, harness.saver(args.out))))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Host time of one compiled round outside its kernels, transformers' Llama against the zoo's (CPU).
 
-    python benchmarks/round_host.py          # tiny 12-layer Llama pair, fp32, one thread
+    python -m benchmarks.round_host          # tiny 12-layer Llama pair, fp32, one thread
 
 The same random weights as a transformers `LlamaForCausalLM` (through `HFTarget`) and as the zoo's
 `Llama`, with an EAGLE-3 head or a 2-layer standalone draft; the fused round compiled by specpass
@@ -14,22 +14,14 @@ skipped as `Decoder.generate` does from round 3 on. Best of 9 batches of calls, 
 from __future__ import annotations
 
 import copy
-import sys
 import tempfile
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness
 
 
 def best_us(fn, calls: int) -> float:
-    times = []
-    for _ in range(9):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-    return 1e6 * min(times)
+    """µs per call: the fastest of 9 batches of `calls` calls."""
+    return 1e3 * harness.host_ms(fn, repeats=9, calls=calls, warmup=0, best=True)
 
 
 class Canned:
@@ -48,7 +40,6 @@ class Canned:
 def main() -> None:
     import torch
     import transformers
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     import specpass
     from models import zoo
@@ -57,7 +48,7 @@ def main() -> None:
     from models.eagle3 import Eagle3Config
     from models.llama import Llama
     from specpass.hf.adapters import HFDrafter, HFTarget
-    from specpass.speculative import Decoder, prefill
+    from specpass.speculative import Decoder
 
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
@@ -73,6 +64,7 @@ def main() -> None:
     head = zoo.build(Eagle3Config(vocab_size=258, draft_vocab_size=258, hidden_size=64, intermediate_size=128,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0), seed=3)
     prompt = [[(7 * i) % 250 + 3 for i in range(40)]]
+    print(harness.describe(harness.environment("cpu", torch.float32)))
     print("| target | drafter | guards us | call us, full guards | call us, guards skipped |\n|---|---|---|---|---|")
     for drafter in ("eagle3", "draft"):
         for path in ("zoo", "transformers"):
@@ -84,18 +76,16 @@ def main() -> None:
             for backend in (specpass.backend(handoff="eager"), Canned()):
                 dec = Decoder(target, draft, k=4, max_batch=1, max_len=256, compile=backend, fused_round=True)
                 with torch.no_grad():
-                    state, carry = prefill(dec.prefill_step, prompt, [16], [-1], None, 4, 1, 256, dec.device)
-                    dec._round(state, carry, None)  # compiles
-                    if not row:  # the guard manager on the frame's locals: step(*args) and its closure's fn
-                        step = dec._round._torchdynamo_orig_callable
-                        (entry,) = _debug_get_cache_entry_list(step.__code__)
-                        frame = {"args": (state, carry, None), "fn": step.__closure__[0].cell_contents}
-                        assert entry.guard_manager.check(frame)
-                        row.append(best_us(lambda: entry.guard_manager.check(frame), 1000))
+                    run = harness.start(dec, prompt, 16)
+                    harness.rounds(dec, run, 1)  # compiles
+                    if not row:  # one evaluation of the compiled round's guards on its inputs
+                        check = harness.guard_check(harness.compiled_round(dec), *run)
+                        assert check()
+                        row.append(best_us(check, 1000))
                         continue
                     for skip in (False, True):
                         with torch.compiler.set_stance(skip_guard_eval_unsafe=skip):
-                            row.append(best_us(lambda: dec._round(state, carry, None), 300))
+                            row.append(best_us(lambda: harness.rounds(dec, run, 1), 300))
             print(f"| {path} | {drafter} | " + " | ".join(f"{us:.0f}" for us in row) + " |", flush=True)
 
 

@@ -1,8 +1,8 @@
 """Sampling reads of the logits: eager, plain Inductor and specpass, against Inductor's bare arg-max.
 
-    python benchmarks/sampling.py --out sampling.json                  # GPU sweep (H100: ~2 min)
-    python benchmarks/sampling.py --dtype float32 --bs 16 256 1280 --vocab 151936
-    python benchmarks/sampling.py --device cpu --quick                 # smoke test, small sizes
+    python -m benchmarks.sampling --out sampling.json                  # GPU sweep (H100: ~2 min)
+    python -m benchmarks.sampling --dtype float32 --bs 16 256 1280 --vocab 151936
+    python -m benchmarks.sampling --device cpu --quick                 # smoke test, small sizes
 
 The forms (each what an engine writes):
   top1      softmax(x).topk(1): the drafted token and its probability (greedy EAGLE drafting)
@@ -44,17 +44,15 @@ kernels/triton_top1.config_for on another device.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import specpass  # noqa: E402
-import specpass.kernels  # noqa: E402,F401  registers torch.ops.specpass.top1_lse
+import specpass
+import specpass.kernels  # noqa: F401  registers torch.ops.specpass.top1_lse
+from benchmarks import harness
 
 K = 4  # drafted tokens read by `verify`
 
@@ -127,9 +125,7 @@ def sampling_calls(x: torch.Tensor) -> dict:
 def compiled_buffers(compiled, *args) -> tuple:
     """(the first call's outputs, how many buffers of the logits' full size its code allocates: a
     prologue written out before a kernel that reads it again)."""
-    from torch._inductor.utils import run_and_get_code
-
-    out, code = run_and_get_code(compiled, *args)
+    out, code = harness.inductor_code(compiled, *args)
     bs, vocab = args[0].shape
     return out, sum(line.count(f"(({bs}, {vocab}), ") for src in code for line in src.splitlines()
                     if "empty_strided" in line)
@@ -161,50 +157,15 @@ def rotation(x: torch.Tensor) -> list[torch.Tensor]:
 
 def in_stream_us(calls: list, reps: int) -> float:
     """Median us per call of a CUDA graph of `calls`, back to back."""
-    graph = _captured(calls)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(times)
+    return 1e3 * harness.graph_ms(calls, iters=reps, warmup=1)
 
 
 def isolated_us(call, quick: bool) -> float:
     """do_bench's median of a CUDA-graph replay of one call (L2 zeroed before each)."""
     from triton.testing import do_bench
 
-    return 1e3 * do_bench(_captured([call]).replay, warmup=10 if quick else 25, rep=30 if quick else 100,
+    return 1e3 * do_bench(harness.capture([call]).replay, warmup=10 if quick else 25, rep=30 if quick else 100,
                           return_mode="median")
-
-
-def _captured(calls: list) -> torch.cuda.CUDAGraph:
-    """One CUDA graph of `calls`, after running the first few on a side stream (warm-up)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls[:3]:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return graph
-
-
-def _wall(fn, iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def split_counts(rows: int, vocab: int, block: int, sms: int, per_sm=(1, 4, 16)) -> list[int]:
@@ -282,12 +243,12 @@ def run_shape(bs: int, vocab: int, dtype: torch.dtype, device: str, quick: bool,
 
     def bench(name: str, fn, extra: tuple = ()) -> None:
         if not cuda:
-            row["us"][name] = _wall(lambda: fn(x, *extra), 3 if quick else 50)
+            row["us"][name] = 1e3 * harness.host_ms(lambda: fn(x, *extra), repeats=3 if quick else 50)
             return
         row["us"][name] = in_stream_us([lambda xi=xi: fn(xi, *extra) for xi in xs], reps)
         row["isolated_us"][name] = isolated_us(lambda: fn(x, *extra), quick)
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     with torch.no_grad():
         if cuda:
             row["us"].update(read_floors_us(xs, reps))
@@ -315,8 +276,7 @@ def run_shape(bs: int, vocab: int, dtype: torch.dtype, device: str, quick: bool,
                 bench(f"{form}/{name}", call, extra)
             outputs.setdefault("eager", fn(x, *extra))
             for name in outputs.keys() - {"eager"}:
-                for got, want in zip(torch.utils._pytree.tree_leaves(outputs[name]),
-                                     torch.utils._pytree.tree_leaves(outputs["eager"]), strict=True):
+                for got, want in zip(harness.leaves(outputs[name]), harness.leaves(outputs["eager"]), strict=True):
                     if want.is_floating_point():
                         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
                     else:
@@ -344,7 +304,8 @@ def table(rows: list[dict], peak: float | None) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sampling", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="small sizes and few iterations (smoke test)")
     parser.add_argument("--bs", type=int, nargs="+", default=None, help="default: 1 16 64 256 1280")
@@ -362,10 +323,10 @@ def main() -> None:
     bss = args.bs or ([1, 16] if args.quick else [1, 16, 64, 256, 1280])
     vocabs = args.vocab or ([1000, 32000] if args.quick else [32000, 128256, 151936])
     dtype = getattr(torch, args.dtype)
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    env = harness.environment(args.device, dtype)
+    name = env["device"]
     peak = peak_bandwidth(args.device)
-    print(f"device: {name}; torch {torch.__version__}; peak bandwidth {f'{peak / 1e12:.2f} TB/s' if peak else '-'}",
-          flush=True)
+    print(f"{harness.describe(env)}; peak bandwidth {f'{peak / 1e12:.2f} TB/s' if peak else '-'}", flush=True)
 
     t0 = time.perf_counter()
     rows = []
@@ -376,11 +337,11 @@ def main() -> None:
                   + (f"; best configuration {min(rows[-1]['configs'], key=lambda c: c[-1])}" if args.configs else ""),
                   flush=True)
     cuda = args.device.startswith("cuda")
-    meta = {"device": name, "torch": torch.__version__, "peak_bandwidth": peak,
+    meta = {**env, "peak_bandwidth": peak,
             "timer": "in-stream CUDA graph over rotating logits; isolated replay in isolated_us" if cuda else "wall",
             "quick": args.quick, "seconds": round(time.perf_counter() - t0, 1), "command": " ".join(sys.argv)}
     if args.out:
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        harness.saver(args.out, indent=2)({"meta": meta, "rows": rows})
         print(f"wrote {args.out}")
     how = "in-stream, calls back to back in a CUDA graph over cold logits" if cuda else "plain calls"
     print(f"\nmedian us per call, {how} ({name}, torch {torch.__version__}, {meta['seconds']} s):\n")

@@ -2,11 +2,12 @@
 candidate: µs per call (CUDA-graph replays of 20 calls), max error against fp32 math, and the
 K/V bytes' time at the copy bandwidth measured in the same run.
 
-    python benchmarks/verify_attention.py --out attention.json      # on a GPU
+    python -m benchmarks.verify_attention --out attention.json      # on a GPU
 
 K/V in the caches' layout `[B, S, hk, d]`; each request's rows sit at the last positions a 4K
 round sees (a few slots of the static cache past them are stale). Candidates:
-  cudnn_folded   `attend`'s fold of GQA into the query axis, SDPA (cuDNN under the default order)
+  cudnn_folded   `specpass.kernels.attend_folded`: GQA folded into the query axis, SDPA (cuDNN
+                 under the default order), the fold included
   sdpa_gqa       SDPA's own GQA (enable_gqa), the one-token call's path
   flex_folded    FlexAttention, compiled, on the folded query; block mask built once, outside
   flex_gqa       FlexAttention with enable_gqa, block mask built once
@@ -19,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.scale import graph_ms, time_candidates  # noqa: E402  (CUDA-graph replays)
+from benchmarks import harness
+from specpass.kernels import attend_folded
 
 HQ, HK, D = 32, 8, 128
 
@@ -35,7 +34,7 @@ HQ, HK, D = 32, 8, 128
 def copy_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    return 2 * x.numel() / (1e3 * graph_ms(lambda: y.copy_(x), calls=5))  # bytes per µs
+    return 2 * x.numel() / (1e3 * harness.graph_ms([lambda: y.copy_(x)] * 5))  # bytes per µs
 
 
 def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
@@ -51,6 +50,7 @@ def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
     scale = D**-0.5
     groups = HQ // HK
 
+    # attend_folded's layout, for the candidates that are not SDPA (FlexAttention, the efficient kernel's chunks)
     def fold(x):  # [B, T, hq, d] -> [B, hk, T*g, d]
         return x.view(bs, T, HK, groups, D).transpose(1, 2).reshape(bs, HK, T * groups, D)
 
@@ -60,7 +60,7 @@ def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, hk, S, d] views of the caches
     mask_folded = mask[:, :, :, None, :].expand(bs, 1, T, groups, S).reshape(bs, 1, T * groups, S)
     variants = {
-        "cudnn_folded": lambda: unfold(F.scaled_dot_product_attention(fold(q), kt, vt, attn_mask=mask_folded, scale=scale)),
+        "cudnn_folded": lambda: attend_folded(q, k, v, mask, scale),
         "sdpa_gqa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), kt, vt, attn_mask=mask, scale=scale,
                                                            enable_gqa=True).transpose(1, 2),
     }
@@ -80,7 +80,7 @@ def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
     def efficient_split():
         qc = fold(q)[:, None].expand(bs, chunks, HK, T * groups, D).reshape(bs * chunks, HK, T * groups, D)
         kc, vc = (x.view(bs * chunks, C, HK, D).transpose(1, 2) for x in (k, v))
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(qc, kc, vc, bias, True, scale=scale)[:2]
+        out, lse = harness.efficient_attention_lse(qc, kc, vc, bias, scale)
         out = out.view(bs, chunks, HK, T * groups, D).float()
         w = torch.softmax(lse[..., :T * groups].view(bs, chunks, HK, T * groups), 1)
         return unfold((w[..., None] * out).sum(1).to(q.dtype))
@@ -90,7 +90,7 @@ def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
     ref = F.scaled_dot_product_attention(q.transpose(1, 2).float(), kt.float(), vt.float(), attn_mask=mask,
                                          scale=scale, enable_gqa=True).transpose(1, 2)
     kv_bytes = 2 * bs * S * HK * D * 2
-    row = dict(bs=bs, T=T, S=S, kv_us_at_bandwidth=kv_bytes / bandwidth, **time_candidates(variants, ref))
+    row = dict(bs=bs, T=T, S=S, kv_us_at_bandwidth=kv_bytes / bandwidth, **harness.time_candidates(variants, ref))
     sweep = {}
     for block_n, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3), (64, 8, 3)):
         for splits in (1, 2, 4, 8, 16, 32):
@@ -99,7 +99,7 @@ def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
             fn = (lambda s=splits, b=block_n, w=warps, st=stages: attend_split(q, k, v, mask, scale, s, b, w, st))
             try:
                 err = (fn().float() - ref).abs().max().item()
-                sweep[f"n{block_n}_w{warps}_s{stages}_x{splits}"] = (1e3 * graph_ms(fn), err)
+                sweep[f"n{block_n}_w{warps}_s{stages}_x{splits}"] = (1e3 * harness.graph_ms([fn] * 20), err)
             except Exception as exc:
                 sweep[f"n{block_n}_w{warps}_s{stages}_x{splits}"] = (None, f"{type(exc).__name__}: {str(exc)[:200]}")
     timed = {key: us for key, (us, _) in sweep.items() if us is not None}
@@ -109,21 +109,24 @@ def case(bs: int, T: int, S: int, bandwidth: float, flex: bool) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.verify_attention", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="16x5x4145,64x5x4145,64x5x113,1x5x4145,16x5x113,16x1x4145,64x1x4145,64x1x113")
     parser.add_argument("--flex-at", default="16x5x4145,64x5x4145,64x5x113")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("CUDA is not available: this benchmark times CUDA kernels (run it on a GPU)")
+    save = harness.saver(args.out)
     bandwidth = copy_bandwidth()
-    env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bytes_per_us=bandwidth)
-    print(f"# {env}", flush=True)
+    env = harness.environment("cuda", torch.bfloat16, copy_bytes_per_us=bandwidth)
+    print(harness.describe(env), flush=True)
     rows = []
     for spec in args.cases.split(","):
         bs, T, S = map(int, spec.split("x"))
         rows.append(case(bs, T, S, bandwidth, spec in args.flex_at.split(",")))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "triton_sweep"}), flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+        save(dict(env=env, rows=rows))
     names = ["cudnn_folded", "sdpa_gqa", "flex_folded", "flex_gqa", "efficient_split", "triton_split", "triton_best"]
     print("| bs | T | slots | K/V at bandwidth µs | " + " | ".join(f"{n} µs (err)" for n in names) + " | best config |")
     for r in rows:

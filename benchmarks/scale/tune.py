@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from typing import Callable
@@ -30,14 +31,12 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save, lat
         print(f"  bs {bs} prompt {prompt} tune_k timed K {k}: {ms:.3f} ms/round ({time.perf_counter() - start:.0f} s)",
               file=sys.stderr, flush=True)
 
-    def tune(repeats: int):
-        return harness.tune_k(dec, prompts, args.tune_ks, on_timed=timed, acceptance=acceptance,
-                              new_tokens=args.new_tokens, repeats=repeats, max_timings=args.tune_max_timings)
-
+    tune = functools.partial(harness.tune_k, dec, prompts, args.tune_ks, on_timed=timed, acceptance=acceptance,
+                             new_tokens=args.new_tokens, max_timings=args.tune_max_timings)
     if args.gpu_lock:  # compiles every K (kept), so that the tuning below only times
-        tune(1)
+        tune(repeats=1)
     with harness.exclusive(args.gpu_lock):
-        choice = tune(args.repeats)
+        choice = tune(repeats=args.repeats)
     measured = dict(choice.round_ms)
     swept = {choice.k, *(args.k_sweep if (bs, prompt) in args.k_sweep_at else [])} - set(measured)
     for k in sorted(swept, key=lambda k: (abs(k - choice.k), k)):
@@ -55,5 +54,5 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save, lat
     save(result)
     print(f"  bs {bs} prompt {prompt} tune_k: K {choice.k} of {sorted(choice.tokens_per_ms)}, timed "
           f"{ {k: round(v, 3) for k, v in measured.items()} } ({seconds:.0f} s)", file=sys.stderr, flush=True)
-    del dec
+    del dec, tune
     bench.release()
