@@ -267,6 +267,7 @@ def tiny_qwen3(args, env: dict) -> list[dict]:
 
     import specpass
 
+    env = dict(env, dtype="float32")  # the tiny pair's own
     torch.manual_seed(0)
     config = transformers.Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, initializer_range=0.2)
