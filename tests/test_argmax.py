@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import specpass
 from models.toy import ToyDraft
 from specpass.passes import argmax as argmax_pass
+from specpass.passes.argmax import one_pass as argmax_one_pass
 from specpass.testing import graph_str
 
 
@@ -746,11 +747,11 @@ FORMS = {
 
 def rewrite_one_pass(fn, *args):
     """rewrite() on the CUDA path, run here with the op's torch implementation."""
-    argmax_pass.ONE_PASS_DEVICES.add("cpu")
+    argmax_one_pass.ONE_PASS_DEVICES.add("cpu")
     try:
         return rewrite(fn, *args)
     finally:
-        argmax_pass.ONE_PASS_DEVICES.discard("cpu")
+        argmax_one_pass.ONE_PASS_DEVICES.discard("cpu")
 
 
 class TestOnePass(expecttest.TestCase):
@@ -800,7 +801,7 @@ def test_a_gather_at_other_tokens_reads_the_logits(monkeypatch, ids):
         logprobs = torch.log_softmax(x, -1)
         return logprobs.argmax(-1), logprobs.gather(-1, OTHER_TOKENS[ids](logprobs, y))
 
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     x, y = X, torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
     _, result = rewrite(fn, x, y)
     assert "gather(x, 1" in graph_str(result.graph_module) and "own arg-max" not in "".join(findings(result))
@@ -812,7 +813,7 @@ def test_a_gather_at_other_tokens_reads_the_logits(monkeypatch, ids):
 
 def test_float64_keeps_the_formulation(monkeypatch):
     """The op accumulates in fp32: a float64 softmax is rewritten in float64, exactly as before."""
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     fn = lambda x: torch.softmax(x, -1).max(-1)  # noqa: E731
     x = X.double()
     _, result = rewrite(fn, x)
@@ -829,7 +830,7 @@ def test_every_form_matches_eager(monkeypatch, form, dtype, one_pass):
     """Indices equal eager's; values within a rounding of the output dtype; on the one-pass kernel's
     path and on Inductor's formulation; non-finite rows included."""
     if one_pass:
-        monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+        monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     x = (torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     x[1, 17] = float("inf")
     fn = FORMS[form]
@@ -957,7 +958,7 @@ FOLDED = {  # name -> (fn, extra inputs): spellings whose prologue the op reads
 def test_folded_prologue_matches_eager(monkeypatch, form, dtype):
     """Indices equal eager's on logits with ties and non-finite rows, values within rounding: the op
     computes each x / t as torch does (in the quotient's dtype), so the rounded ties fall the same way."""
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     fn, extra = FOLDED[form]
     x = (torch.randn(3, 300, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
     x[0, [7, 250]] = x[0].amax() + 0.01  # near ties: the quotient's rounding decides between them
@@ -993,7 +994,7 @@ UNFOLDED = {  # name -> (fn, inputs, reason): the op reads the prologue's output
 @pytest.mark.parametrize("form", UNFOLDED)
 def test_prologues_that_cannot_be_folded(monkeypatch, form):
     """Still rewritten to the op, which reads the softmax's input as computed: the reason is reported."""
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     fn, args, reason = UNFOLDED[form]
     _, result = rewrite(fn, *args)
     assert result.report.rewrites and "prologue not folded" in findings(result)[0] and reason in findings(result)[0], \
@@ -1005,7 +1006,7 @@ def test_prologues_that_cannot_be_folded(monkeypatch, form):
 
 def test_logits_written_in_place_after_the_cast_are_not_read_again(monkeypatch):
     """The op would read x after the write: the cast's copy stays and the op reads it."""
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
 
     def fn(x):
         y = x.float()
@@ -1030,7 +1031,7 @@ def test_folding_changes_no_index_on_near_ties(monkeypatch, form, dtype):
     x = near_ties(4000, 96, dtype, seed=4)
     unfolded = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x, *extra)
     torch._dynamo.reset()
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     folded = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x, *extra)
     assert "folding" in "".join(findings(rewrite(fn, x, *extra)[1]))
     assert torch.equal(folded[1], unfolded[1])
@@ -1114,3 +1115,4 @@ def test_router_values_read_through_an_earlier_view_are_left_alone():
     assert any(n.target is torch.ops.aten.div_.Tensor for n in result.graph_module.graph.nodes)
     got = torch.compile(fn, backend=specpass.backend(handoff="eager"), dynamic=False)(EXPERT_LOGITS)
     TestNumerics.check(got, fn(EXPERT_LOGITS))
+
