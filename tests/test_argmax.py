@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import specpass
 from models.toy import ToyDraft
 from specpass.passes import argmax as argmax_pass
+from specpass.passes.argmax import chunks as argmax_chunks
+from specpass.passes.argmax import matcher as argmax_matcher
 from specpass.passes.argmax import one_pass as argmax_one_pass
 from specpass.testing import graph_str
 
@@ -1116,3 +1118,57 @@ def test_router_values_read_through_an_earlier_view_are_left_alone():
     got = torch.compile(fn, backend=specpass.backend(handoff="eager"), dynamic=False)(EXPERT_LOGITS)
     TestNumerics.check(got, fn(EXPERT_LOGITS))
 
+
+def plan_of(fn, *args, **options):
+    """The matcher's verdict on the first softmax of fn's captured graph."""
+    gm = specpass.capture(fn, *args)
+    softmax = next(n for n in gm.graph.nodes if argmax_matcher.is_softmax(n))
+    return argmax_matcher.match(softmax, specpass.Options(**options))
+
+
+class TestPlan:
+    """The plan the matcher hands the lowerings: each output's lowering, chosen once."""
+
+    def test_each_output_names_its_lowering(self):
+        fn = lambda x: torch.max(torch.softmax(x / 0.7, -1), -1)  # noqa: E731
+        plan = plan_of(fn, X).plan
+        (max_,) = plan.consumers
+        assert (plan.dim, plan.one_pass, plan.with_stats, plan.chunks) == (1, False, True, 1)
+        assert (max_.dims, max_.k, max_.keepdim, max_.dtypes) == ((1,), 1, False, (torch.float32,))
+        assert (max_.indices_by, max_.values_by) == ("argmax", "formula")
+        eager = plan_of(fn, X, argmax_ties="eager").plan.consumers[0]
+        assert (eager.indices_by, eager.values_by) == ("eager", "formula")
+        ones = plan_of(fn, X, max_probs="ones").plan
+        assert (ones.consumers[0].indices_by, ones.consumers[0].values_by, ones.with_stats) == ("argmax", "ones", False)
+        topk = plan_of(lambda x: torch.softmax(x, -1).topk(1).indices, X).plan.consumers[0]  # 50 < 64 values
+        assert (topk.indices_by, topk.values_by, topk.sorted) == ("topk", None, True)
+
+    def test_a_gather_at_the_ops_own_index_reads_its_value(self, monkeypatch):
+        monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+        token, gather = plan_of(sampled_logprob, X).plan.consumers
+        assert (token.indices_by, gather.by) == ("one_pass", "own_index")
+        def flipped(x):  # the op's index, not row for row
+            logprobs = torch.log_softmax(x, -1)
+            return logprobs.gather(-1, logprobs.argmax(-1).flip(0)[:, None])
+
+        token, gather = plan_of(flipped, X).plan.consumers
+        assert (token.indices_by, gather.by) == ("one_pass", "one_pass")
+        monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cuda"})
+        assert plan_of(sampled_logprob, X).plan.consumers[1].by == "formula"
+
+    def test_refusals_leave_no_plan(self):
+        matched = plan_of(lambda x: torch.softmax(x, -1).min(-1), X)
+        assert matched.plan is None and list(matched.refused) == matched.candidates
+        assert "underflow to ties at 0" in matched.refused[matched.candidates[0]]
+
+    @pytest.mark.parametrize("shape, dim, stats, want", [
+        ((1, 40000), 1, True, (19, 2176)),  # 19 chunks: ceil(40000 / 19) = 2106, to a multiple of 128
+        ((1, 40000), 1, False, (19, 2176)),
+        ((1, 5000), 1, True, (2, 2560)),  # 5000 // 2048 = 2 chunks at most
+        ((1, 5000), 1, False, (1, 0)),  # indices only: from 4 chunks
+        ((4, 8192), 1, False, (4, 2048)),
+        ((600, 40000), 1, True, (1, 0)),  # rows enough
+        ((40000, 1), 0, True, (1, 0)),  # only the last axis is cut
+    ])
+    def test_chunks(self, shape, dim, stats, want):
+        assert argmax_chunks.plan_chunks(shape, dim, stats) == want
