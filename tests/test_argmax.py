@@ -10,6 +10,9 @@ import torch.nn.functional as F
 import specpass
 from models.toy import ToyDraft
 from specpass.passes import argmax as argmax_pass
+from specpass.passes.argmax import chunks as argmax_chunks
+from specpass.passes.argmax import matcher as argmax_matcher
+from specpass.passes.argmax import one_pass as argmax_one_pass
 from specpass.testing import graph_str
 
 
@@ -746,11 +749,11 @@ FORMS = {
 
 def rewrite_one_pass(fn, *args):
     """rewrite() on the CUDA path, run here with the op's torch implementation."""
-    argmax_pass.ONE_PASS_DEVICES.add("cpu")
+    argmax_one_pass.ONE_PASS_DEVICES.add("cpu")
     try:
         return rewrite(fn, *args)
     finally:
-        argmax_pass.ONE_PASS_DEVICES.discard("cpu")
+        argmax_one_pass.ONE_PASS_DEVICES.discard("cpu")
 
 
 class TestOnePass(expecttest.TestCase):
@@ -800,7 +803,7 @@ def test_a_gather_at_other_tokens_reads_the_logits(monkeypatch, ids):
         logprobs = torch.log_softmax(x, -1)
         return logprobs.argmax(-1), logprobs.gather(-1, OTHER_TOKENS[ids](logprobs, y))
 
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     x, y = X, torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
     _, result = rewrite(fn, x, y)
     assert "gather(x, 1" in graph_str(result.graph_module) and "own arg-max" not in "".join(findings(result))
@@ -812,7 +815,7 @@ def test_a_gather_at_other_tokens_reads_the_logits(monkeypatch, ids):
 
 def test_float64_keeps_the_formulation(monkeypatch):
     """The op accumulates in fp32: a float64 softmax is rewritten in float64, exactly as before."""
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     fn = lambda x: torch.softmax(x, -1).max(-1)  # noqa: E731
     x = X.double()
     _, result = rewrite(fn, x)
@@ -829,7 +832,7 @@ def test_every_form_matches_eager(monkeypatch, form, dtype, one_pass):
     """Indices equal eager's; values within a rounding of the output dtype; on the one-pass kernel's
     path and on Inductor's formulation; non-finite rows included."""
     if one_pass:
-        monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+        monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     x = (torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
     x[1, 17] = float("inf")
     fn = FORMS[form]
@@ -957,7 +960,7 @@ FOLDED = {  # name -> (fn, extra inputs): spellings whose prologue the op reads
 def test_folded_prologue_matches_eager(monkeypatch, form, dtype):
     """Indices equal eager's on logits with ties and non-finite rows, values within rounding: the op
     computes each x / t as torch does (in the quotient's dtype), so the rounded ties fall the same way."""
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     fn, extra = FOLDED[form]
     x = (torch.randn(3, 300, generator=torch.Generator().manual_seed(2)) * 3).to(dtype)
     x[0, [7, 250]] = x[0].amax() + 0.01  # near ties: the quotient's rounding decides between them
@@ -993,7 +996,7 @@ UNFOLDED = {  # name -> (fn, inputs, reason): the op reads the prologue's output
 @pytest.mark.parametrize("form", UNFOLDED)
 def test_prologues_that_cannot_be_folded(monkeypatch, form):
     """Still rewritten to the op, which reads the softmax's input as computed: the reason is reported."""
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     fn, args, reason = UNFOLDED[form]
     _, result = rewrite(fn, *args)
     assert result.report.rewrites and "prologue not folded" in findings(result)[0] and reason in findings(result)[0], \
@@ -1005,7 +1008,7 @@ def test_prologues_that_cannot_be_folded(monkeypatch, form):
 
 def test_logits_written_in_place_after_the_cast_are_not_read_again(monkeypatch):
     """The op would read x after the write: the cast's copy stays and the op reads it."""
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
 
     def fn(x):
         y = x.float()
@@ -1030,7 +1033,7 @@ def test_folding_changes_no_index_on_near_ties(monkeypatch, form, dtype):
     x = near_ties(4000, 96, dtype, seed=4)
     unfolded = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x, *extra)
     torch._dynamo.reset()
-    monkeypatch.setattr(argmax_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+    monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
     folded = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False))(x, *extra)
     assert "folding" in "".join(findings(rewrite(fn, x, *extra)[1]))
     assert torch.equal(folded[1], unfolded[1])
@@ -1114,3 +1117,58 @@ def test_router_values_read_through_an_earlier_view_are_left_alone():
     assert any(n.target is torch.ops.aten.div_.Tensor for n in result.graph_module.graph.nodes)
     got = torch.compile(fn, backend=specpass.backend(handoff="eager"), dynamic=False)(EXPERT_LOGITS)
     TestNumerics.check(got, fn(EXPERT_LOGITS))
+
+
+def plan_of(fn, *args, **options):
+    """The matcher's verdict on the first softmax of fn's captured graph."""
+    gm = specpass.capture(fn, *args)
+    softmax = next(n for n in gm.graph.nodes if argmax_matcher.is_softmax(n))
+    return argmax_matcher.match(softmax, specpass.Options(**options))
+
+
+class TestPlan:
+    """The plan the matcher hands the lowerings: each output's lowering, chosen once."""
+
+    def test_each_output_names_its_lowering(self):
+        fn = lambda x: torch.max(torch.softmax(x / 0.7, -1), -1)  # noqa: E731
+        plan = plan_of(fn, X).plan
+        (max_,) = plan.consumers
+        assert (plan.dim, plan.one_pass, plan.with_stats, plan.chunks) == (1, False, True, 1)
+        assert (max_.dims, max_.k, max_.keepdim, max_.dtypes) == ((1,), 1, False, (torch.float32,))
+        assert (max_.indices_by, max_.values_by) == ("argmax", "formula")
+        eager = plan_of(fn, X, argmax_ties="eager").plan.consumers[0]
+        assert (eager.indices_by, eager.values_by) == ("eager", "formula")
+        ones = plan_of(fn, X, max_probs="ones").plan
+        assert (ones.consumers[0].indices_by, ones.consumers[0].values_by, ones.with_stats) == ("argmax", "ones", False)
+        topk = plan_of(lambda x: torch.softmax(x, -1).topk(1).indices, X).plan.consumers[0]  # 50 < 64 values
+        assert (topk.indices_by, topk.values_by, topk.sorted) == ("topk", None, True)
+
+    def test_a_gather_at_the_ops_own_index_reads_its_value(self, monkeypatch):
+        monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cpu", "cuda"})
+        token, gather = plan_of(sampled_logprob, X).plan.consumers
+        assert (token.indices_by, gather.by) == ("one_pass", "own_index")
+        def flipped(x):  # the op's index, not row for row
+            logprobs = torch.log_softmax(x, -1)
+            return logprobs.gather(-1, logprobs.argmax(-1).flip(0)[:, None])
+
+        token, gather = plan_of(flipped, X).plan.consumers
+        assert (token.indices_by, gather.by) == ("one_pass", "one_pass")
+        monkeypatch.setattr(argmax_one_pass, "ONE_PASS_DEVICES", {"cuda"})
+        assert plan_of(sampled_logprob, X).plan.consumers[1].by == "formula"
+
+    def test_refusals_leave_no_plan(self):
+        matched = plan_of(lambda x: torch.softmax(x, -1).min(-1), X)
+        assert matched.plan is None and list(matched.refused) == matched.candidates
+        assert "underflow to ties at 0" in matched.refused[matched.candidates[0]]
+
+    @pytest.mark.parametrize("shape, dim, stats, want", [
+        ((1, 40000), 1, True, (19, 2176)),  # 19 chunks: ceil(40000 / 19) = 2106, to a multiple of 128
+        ((1, 40000), 1, False, (19, 2176)),
+        ((1, 5000), 1, True, (2, 2560)),  # 5000 // 2048 = 2 chunks at most
+        ((1, 5000), 1, False, (1, 0)),  # indices only: from 4 chunks
+        ((4, 8192), 1, False, (4, 2048)),
+        ((600, 40000), 1, True, (1, 0)),  # rows enough
+        ((40000, 1), 0, True, (1, 0)),  # only the last axis is cut
+    ])
+    def test_chunks(self, shape, dim, stats, want):
+        assert argmax_chunks.plan_chunks(shape, dim, stats) == want
