@@ -874,6 +874,12 @@ reshape_default_4: f32[3, 1] = reshape(getitem_5, [3, 1])
 return (reshape_default_4, reshape_default_1)""")
         self.assertExpectedInline("\n".join(findings(result)), """[argmax] rewrote softmax -> topk: softmax -> topk along dim 1: indices = top1_lse(x, folding the cast) index (one pass); values = exp(top - lse) (one pass)""")
 
+    def test_an_identity_cast_is_named_in_the_finding(self):
+        # x.float() of fp32 logits folds nothing but the cast: the finding says so, not "folding " alone
+        _, result = rewrite_one_pass(lambda x: torch.log_softmax(x.float(), -1).max(-1), W.float())
+        (finding,) = findings(result)
+        assert "top1_lse(x, folding the cast)" in finding, finding
+
     def test_bf16_division_is_rounded_to_bf16_in_the_op(self):
         _, result = rewrite_one_pass(lambda x: (x / 0.7).softmax(-1).max(-1), W.bfloat16())
         self.assertExpectedInline(graph_str(result.graph_module), """\

@@ -6,7 +6,7 @@ formulation, and the ones the loop samples with. One module each; importing this
     #   s = x * t (x / t with divide), x the fp32 logits, t = scale[row] ([R] or [1] fp32) or fp32(scalar),
     #   correctly rounded in fp32, then rounded to `rounding` (a 16-bit dtype) if given: what
     #   torch computes for (logits.float() / t).to(rounding). Without them s = x. Passes fold the
-    #   casts and temperature before a softmax into these (passes/argmax.py), so s is never stored.
+    #   casts and temperature before a softmax into these (passes/argmax/prologue.py), so s is never stored.
     # index [R] int64: softmax(s)'s arg-max: the first index of the row's maximum, as
     #                  torch.argmax of s; 0 where the maximum is +inf or NaN
     #                  (softmax is NaN everywhere there, and argmax of NaNs is 0)

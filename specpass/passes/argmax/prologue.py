@@ -60,7 +60,7 @@ def fold(s: fx.Node, cast_to: torch.dtype | None) -> tuple[Prologue | None, str]
     for n in (node, factor):
         if isinstance(n, fx.Node) and is_written_in_place(n):
             return None, f"{n.name} is written in place"
-    if val(node).dtype != torch.float32 or cast_to is not None:
+    if not spelled or val(node).dtype != torch.float32 or cast_to is not None:  # a cast, if only fp32 -> fp32
         spelled = "the cast" + (" and " if spelled else "") + spelled
     return Prologue(node, factor, divide, rounding, spelled), ""
 
