@@ -914,3 +914,58 @@ def test_an_empty_selection_is_no_row_gather(view):
     result = specpass.rewrite(specpass.capture(step, *args))
     assert not result.report.errors and not result.report.rewrites, str(result.report)
     torch.testing.assert_close(torch.compile(step, backend=specpass.backend(handoff="eager"))(*args), step(*args))
+
+
+def test_a_range_that_fired_is_not_selected_again_by_a_later_gather():
+    """XLNet's relative shift: position scores [B, T, 2T] read as [B, 2T, T], rows 1: of that,
+    read as [B, T, 2T - 1], the first T columns. The range `[:, 1:]` fires (its source runs on
+    rows 1:), and the last row's flat gather above it reads the range's values from the source;
+    it used to read the old slice node, which sliced the gathered source a second time
+    (`RuntimeError: shape '[28, 3]' is invalid`, and the pass was dropped)."""
+    torch.manual_seed(0)
+    wq, wk, wr, head = (torch.randn(H, H) / H**0.5 for _ in range(4))
+    positions = torch.randn(2 * T, H)
+
+    def step(x):
+        q, k = F.linear(x, wq), F.linear(x, wk)  # [B, T, H]
+        by_position = torch.einsum("bih,jh->bij", q, F.linear(positions, wr))  # [B, T, 2T]
+        shifted = by_position.reshape(B, 2 * T, T)[:, 1:].reshape(B, T, 2 * T - 1)[:, :, :T]  # [B, T, T]
+        scores = (q @ k.transpose(1, 2) + shifted).softmax(-1)  # [B, T, T]
+        return F.linear(scores @ x, head)[:, -1]  # [B, H]
+
+    x = torch.randn(B, T, H)
+    result = specpass.rewrite(specpass.capture(step, x))
+    assert not result.report.errors, str(result.report)
+    moved = {f.where: f.message for f in result.report.rewrites}
+    assert moved.keys() == {"slice_1", "select"}, str(result.report)
+    assert "slice_1 (slice mixes rows along axis 1)" in moved["select"], str(result.report)
+    got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(x)
+    torch.testing.assert_close(got, step(x), rtol=1e-5, atol=1e-6)
+
+
+
+@pytest.mark.filterwarnings("error::specpass.SpecpassWarning")  # a pass that fails warns
+def test_xlnet_relative_shift_rewrites_exactly(caplog):
+    """transformers' XLNetLMHeadModel at a tiny config (no cache: XLNet has no StaticCache), the
+    step that slices logits[:, -1]: each layer's relative shift is the range above, and the pass
+    now rewrites the step (it raised at a reshape it emitted, and was dropped)."""
+    import transformers
+
+    config = transformers.XLNetConfig(vocab_size=96, d_model=32, n_layer=1, n_head=2, d_inner=64,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.XLNetLMHeadModel(config).eval()
+    ids = torch.randint(3, 96, (B, T))
+
+    def step(tokens):
+        return model(input_ids=tokens, use_cache=False).logits[:, -1]
+
+    with torch.no_grad(), caplog.at_level("INFO", logger="specpass"):  # the backend logs its report
+        got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(ids)
+        want = step(ids)
+    (report,) = [r.getMessage() for r in caplog.records if r.name == "specpass"]
+    assert report.count("rewrote slice_") == config.n_layer, report  # one fired range per layer's shift
+    assert "rewrote select: " in report and f"rows {B * T} -> {B}" in report, report
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
