@@ -969,3 +969,45 @@ def test_xlnet_relative_shift_rewrites_exactly(caplog):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
+
+def test_a_range_of_keys_joined_along_the_token_axis_is_left_alone_with_its_reason():
+    """Dory (a tiny config that runs each layer twice): the cache's keys are `cat([past, new],
+    dim=-2)` along the key-token axis, and transformers' SDPA keeps the first q_len of them. That
+    range is a range of the joined axis: its rows are not the same rows of each input, so it is
+    left alone, and the reason says so. The output's last row moves as usual."""
+    torch.manual_seed(0)
+    w_past, w_new, head = torch.randn(H, H), torch.randn(H, H), torch.randn(V, H)
+
+    def step(x):
+        keys = torch.cat([F.linear(x, w_past), F.linear(x, w_new)], dim=1)[:, :T]  # [B, 2T, H] -> [B, T, H]
+        return F.linear((x @ keys.transpose(1, 2)).softmax(-1) @ keys, head)[:, -1]  # [B, V]
+
+    x = torch.randn(B, T, H)
+    result = specpass.rewrite(specpass.capture(step, x))
+    assert not result.report.errors, str(result.report)
+    assert [(f.where, f.fired) for f in result.report.of("live_rows")] == [("slice_1", False), ("select", True)]
+    assert result.report.refusals[0].message == (
+        f"cat: cat joins 2 inputs along the selected axis 1 ({T} + {T} rows, one input after another): the "
+        "selected rows are not the same rows of each input"), str(result.report)
+    got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(x)
+    torch.testing.assert_close(got, step(x), rtol=1e-5, atol=1e-6)
+
+
+NOTHING = torch.tensor([])  # a cache created empty: torch.cat skips a 1-D empty input
+
+
+@pytest.mark.parametrize("inputs, dim", [(2, -1), (1, 1), (1, -1)],
+                         ids=["along-the-features", "to-nothing-along-the-rows", "to-nothing-along-the-features"])
+def test_a_concatenation_off_the_selected_axis_passes_the_rows_through(inputs, dim):
+    """Joined along the features, or one input joined to a 1-D empty tensor (nothing, on any
+    axis): every projection runs on the last row only. The rule reads the output's frame, not the
+    first input's (the empty tensor's one axis made the pass raise IndexError)."""
+    torch.manual_seed(0)
+    ws = [torch.randn(H, H) for _ in range(inputs)]
+    head = torch.randn(V, H * inputs if dim == -1 else H)
+
+    def step(x):
+        joined = torch.cat([F.linear(x, w) for w in ws] if inputs == 2 else [NOTHING, F.linear(x, ws[0])], dim)
+        return F.linear(joined, head)[:, -1]
+
+    _exact_and_ideal(step, torch.randn(B, T, H))
