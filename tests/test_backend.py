@@ -70,14 +70,39 @@ def test_backend_forms_match_eager(form, handoff, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("given, handed", [
+    (dict(mode="reduce-overhead"), ("reduce-overhead", None)),
+    (dict(options={"epilogue_fusion": False, "q_slice": False}), (None, {"epilogue_fusion": False})),
+], ids=["mode", "options"])
 @pytest.mark.parametrize("form", ["module", "entry_point", "factory"])
-def test_reduce_overhead_mode_is_forwarded(form, device):
+def test_mode_and_options_are_handed_to_inductor(form, given, handed, device, monkeypatch):
+    """torch.compile's mode= and options= reach Inductor's own wrapper (which makes
+    mode="reduce-overhead" CUDA graphs); a specpass option among options= (q_slice) configures
+    the passes and is not handed on."""
+    from specpass import compile_backend
+
+    wrappers, ran_with = [], []
+
+    class InductorSpy(torch._TorchCompileInductorWrapper):
+        def __init__(self, mode, options, dynamic):
+            wrappers.append((mode, options))
+            super().__init__(mode, options, dynamic)
+
+    def run_passes(gm, options):
+        ran_with.append(options.q_slice)
+        return pipeline.run_passes(gm, options)
+
+    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", InductorSpy)
+    monkeypatch.setattr(compile_backend, "run_passes", run_passes)
     model, tokens, positions = _toy(device=device)
     backend = {"module": specpass, "entry_point": "specpass", "factory": specpass.backend()}[form]
     expected = _run(model, None, tokens, positions)
+    torch._dynamo.reset()
     for _ in range(3):  # CUDA graphs: recorded, then replayed
-        got = _run(model, backend, tokens, positions, mode="reduce-overhead")
+        got = _run(model, backend, tokens, positions, **given)
         _assert_same(got, expected)
+    assert wrappers == [handed], wrappers  # one graph, compiled once
+    assert ran_with == [given.get("options", {}).get("q_slice", True)], ran_with
 
 
 def test_inductor_options_are_forwarded_and_validated():

@@ -914,3 +914,100 @@ def test_an_empty_selection_is_no_row_gather(view):
     result = specpass.rewrite(specpass.capture(step, *args))
     assert not result.report.errors and not result.report.rewrites, str(result.report)
     torch.testing.assert_close(torch.compile(step, backend=specpass.backend(handoff="eager"))(*args), step(*args))
+
+
+def test_a_range_that_fired_is_not_selected_again_by_a_later_gather():
+    """XLNet's relative shift: position scores [B, T, 2T] read as [B, 2T, T], rows 1: of that,
+    read as [B, T, 2T - 1], the first T columns. The range `[:, 1:]` fires (its source runs on
+    rows 1:), and the last row's flat gather above it reads the range's values from the source;
+    it used to read the old slice node, which sliced the gathered source a second time
+    (`RuntimeError: shape '[28, 3]' is invalid`, and the pass was dropped)."""
+    torch.manual_seed(0)
+    wq, wk, wr, head = (torch.randn(H, H) / H**0.5 for _ in range(4))
+    positions = torch.randn(2 * T, H)
+
+    def step(x):
+        q, k = F.linear(x, wq), F.linear(x, wk)  # [B, T, H]
+        by_position = torch.einsum("bih,jh->bij", q, F.linear(positions, wr))  # [B, T, 2T]
+        shifted = by_position.reshape(B, 2 * T, T)[:, 1:].reshape(B, T, 2 * T - 1)[:, :, :T]  # [B, T, T]
+        scores = (q @ k.transpose(1, 2) + shifted).softmax(-1)  # [B, T, T]
+        return F.linear(scores @ x, head)[:, -1]  # [B, H]
+
+    x = torch.randn(B, T, H)
+    result = specpass.rewrite(specpass.capture(step, x))
+    assert not result.report.errors, str(result.report)
+    moved = {f.where: f.message for f in result.report.rewrites}
+    assert moved.keys() == {"slice_1", "select"}, str(result.report)
+    assert "slice_1 (slice mixes rows along axis 1)" in moved["select"], str(result.report)
+    got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(x)
+    torch.testing.assert_close(got, step(x), rtol=1e-5, atol=1e-6)
+
+
+
+@pytest.mark.filterwarnings("error::specpass.SpecpassWarning")  # a pass that fails warns
+def test_xlnet_relative_shift_rewrites_exactly(caplog):
+    """transformers' XLNetLMHeadModel at a tiny config (no cache: XLNet has no StaticCache), the
+    step that slices logits[:, -1]: each layer's relative shift is the range above, and the pass
+    now rewrites the step (it raised at a reshape it emitted, and was dropped)."""
+    import transformers
+
+    config = transformers.XLNetConfig(vocab_size=96, d_model=32, n_layer=1, n_head=2, d_inner=64,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.XLNetLMHeadModel(config).eval()
+    ids = torch.randint(3, 96, (B, T))
+
+    def step(tokens):
+        return model(input_ids=tokens, use_cache=False).logits[:, -1]
+
+    with torch.no_grad(), caplog.at_level("INFO", logger="specpass"):  # the backend logs its report
+        got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(ids)
+        want = step(ids)
+    (report,) = [r.getMessage() for r in caplog.records if r.name == "specpass"]
+    assert report.count("rewrote slice_") == config.n_layer, report  # one fired range per layer's shift
+    assert "rewrote select: " in report and f"rows {B * T} -> {B}" in report, report
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_a_range_of_keys_joined_along_the_token_axis_is_left_alone_with_its_reason():
+    """Dory (a tiny config that runs each layer twice): the cache's keys are `cat([past, new],
+    dim=-2)` along the key-token axis, and transformers' SDPA keeps the first q_len of them. That
+    range is a range of the joined axis: its rows are not the same rows of each input, so it is
+    left alone, and the reason says so. The output's last row moves as usual."""
+    torch.manual_seed(0)
+    w_past, w_new, head = torch.randn(H, H), torch.randn(H, H), torch.randn(V, H)
+
+    def step(x):
+        keys = torch.cat([F.linear(x, w_past), F.linear(x, w_new)], dim=1)[:, :T]  # [B, 2T, H] -> [B, T, H]
+        return F.linear((x @ keys.transpose(1, 2)).softmax(-1) @ keys, head)[:, -1]  # [B, V]
+
+    x = torch.randn(B, T, H)
+    result = specpass.rewrite(specpass.capture(step, x))
+    assert not result.report.errors, str(result.report)
+    assert [(f.where, f.fired) for f in result.report.of("live_rows")] == [("slice_1", False), ("select", True)]
+    assert result.report.refusals[0].message == (
+        f"cat: cat joins 2 inputs along the selected axis 1 ({T} + {T} rows, one input after another): the "
+        "selected rows are not the same rows of each input"), str(result.report)
+    got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(x)
+    torch.testing.assert_close(got, step(x), rtol=1e-5, atol=1e-6)
+
+
+NOTHING = torch.tensor([])  # a cache created empty: torch.cat skips a 1-D empty input
+
+
+@pytest.mark.parametrize("inputs, dim", [(2, -1), (1, 1), (1, -1)],
+                         ids=["along-the-features", "to-nothing-along-the-rows", "to-nothing-along-the-features"])
+def test_a_concatenation_off_the_selected_axis_passes_the_rows_through(inputs, dim):
+    """Joined along the features, or one input joined to a 1-D empty tensor (nothing, on any
+    axis): every projection runs on the last row only. The rule reads the output's frame, not the
+    first input's (the empty tensor's one axis made the pass raise IndexError)."""
+    torch.manual_seed(0)
+    ws = [torch.randn(H, H) for _ in range(inputs)]
+    head = torch.randn(V, H * inputs if dim == -1 else H)
+
+    def step(x):
+        joined = torch.cat([F.linear(x, w) for w in ws] if inputs == 2 else [NOTHING, F.linear(x, ws[0])], dim)
+        return F.linear(joined, head)[:, -1]
+
+    _exact_and_ideal(step, torch.randn(B, T, H))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models import zoo
-from models.checkpoint import load
+from models.checkpoint import CheckpointError, load
 from models.drafters import ZooDrafter
 from models.eagle3 import Eagle3Head
 from models.llama import Llama
@@ -176,31 +176,51 @@ def test_parallel_kl_weights(weigh):
         assert len(set(weight[weight > 0].tolist())) == 1
 
 
-def test_parallel_head_starts_from_the_chain_head(tmp_path):
-    """--parallel --init-from: every weight the chain head has is the chain head's (lr 0: one step
-    that changes nothing), mask_hidden its own; then a few steps of training lower every depth's KL."""
-    train.main([*SMOKE, "--target-steps", "5", "--drafts-steps", "5", "--out", str(tmp_path)])
-    target_dir, chain_dir = tmp_path / "stdlib-llama", tmp_path / "stdlib-llama-eagle3"
+@pytest.fixture(scope="module")
+def chain_run(tmp_path_factory):
+    """A target and its one-layer chain EAGLE-3 head, trained a few steps: (folder, target dir,
+    chain dir, the --parallel --init-from arguments that start from them)."""
+    out = tmp_path_factory.mktemp("chain")
+    train.main([*SMOKE, "--target-steps", "5", "--drafts-steps", "5", "--out", str(out)])
+    target_dir, chain_dir = out / "stdlib-llama", out / "stdlib-llama-eagle3"
     common = [*SMOKE, "--parallel", "--target", str(target_dir), "--init-from", str(chain_dir), "--depths", "4"]
-    train.main([*common, "--drafts-steps", "1", "--drafts-lr", "0", "--out", str(tmp_path / "copy")])
+    return out, target_dir, chain_dir, common
+
+
+def _chain_head(target_dir, chain_dir):
     embed = load(Llama, target_dir).model.embed_tokens.weight
-    chain = load(Eagle3Head, chain_dir, shared={"embed_tokens.weight": embed})
-    head = load(train.ParallelEagle3Head, tmp_path / "copy" / "stdlib-llama-peagle3",
-                shared={"embed_tokens.weight": embed})
+    return embed, load(Eagle3Head, chain_dir, shared={"embed_tokens.weight": embed})
+
+
+def test_parallel_head_starts_from_the_chain_head(chain_run):
+    """--parallel --init-from: every weight the chain head has is the chain head's (lr 0: one step
+    that changes nothing), mask_hidden its own."""
+    out, target_dir, chain_dir, common = chain_run
+    train.main([*common, "--drafts-steps", "1", "--drafts-lr", "0", "--out", str(out / "copy")])
+    embed, chain = _chain_head(target_dir, chain_dir)
+    head = load(train.ParallelEagle3Head, out / "copy" / "stdlib-llama-peagle3", shared={"embed_tokens.weight": embed})
     ours = head.state_dict()
     for name, tensor in chain.state_dict().items():
         assert torch.equal(ours[name], tensor), name
     assert ours["mask_hidden"].abs().sum() > 0
 
-    log = train.main([*common, "--weigh", "row", "--drafts-steps", "30", "--out", str(tmp_path / "row")])
+
+def test_parallel_head_from_the_chain_head_learns_every_depth(chain_run):
+    """From the chain head, a few steps of training weighted by row lower every depth's KL."""
+    out, _, _, common = chain_run
+    log = train.main([*common, "--weigh", "row", "--drafts-steps", "30", "--out", str(out / "row")])
     first, final = log["parallel"]["loss_first"], log["parallel"]["loss_final"]
     assert all(b < a for a, b in zip(first, final)), (first, final)
     assert log["parallel"]["loss_parts"][0] == "kl weighted by row" and len(log["eval"]["agreement"]) == 4
 
-    # Two layers: the chain head's midlayer is layers.0, and layers.1 starts adding nothing, so the
-    # untrained head drafts as the chain head does (depth 0: the chain head's catch-up).
-    train.main([*common, "--layers", "2", "--drafts-steps", "1", "--drafts-lr", "0", "--out", str(tmp_path / "two")])
-    two = load(train.ParallelEagle3Head, tmp_path / "two" / "stdlib-llama-peagle3", shared={"embed_tokens.weight": embed})
+
+def test_a_second_layer_starts_adding_nothing(chain_run):
+    """Two layers: the chain head's midlayer is layers.0, and layers.1 starts adding nothing, so the
+    untrained head drafts as the chain head does (depth 0: the chain head's catch-up)."""
+    out, target_dir, chain_dir, common = chain_run
+    train.main([*common, "--layers", "2", "--drafts-steps", "1", "--drafts-lr", "0", "--out", str(out / "two")])
+    embed, chain = _chain_head(target_dir, chain_dir)
+    two = load(train.ParallelEagle3Head, out / "two" / "stdlib-llama-peagle3", shared={"embed_tokens.weight": embed})
     assert two.config.num_hidden_layers == 2 and not hasattr(two, "midlayer")
     for name, tensor in chain.state_dict().items():
         assert torch.equal(two.state_dict()[name.replace("midlayer.", "layers.0.")], tensor), name
@@ -215,6 +235,12 @@ def test_parallel_head_starts_from_the_chain_head(tmp_path):
         close(two.forward_rows(tokens, torch.arange(7).expand(2, -1), hidden.bfloat16())[0],
               chain.forward_rows(tokens, torch.arange(7).expand(2, -1), hidden.bfloat16())[0])
 
+
+def test_init_from_a_folder_that_is_no_chain_head_is_refused(chain_run):
+    """--init-from the target's folder: the loader names what the folder holds and what it takes."""
+    out, target_dir, _, _ = chain_run
     bad = [*SMOKE, "--parallel", "--target", str(target_dir), "--init-from", str(target_dir), "--drafts-steps", "1"]
-    with pytest.raises(Exception, match="stdlib-llama"):
-        train.main([*bad, "--out", str(tmp_path / "bad")])
+    with pytest.raises(CheckpointError, match=r"stdlib-llama/config\.json describes \['LlamaForCausalLM'\], "
+                                              r"not a checkpoint Eagle3Head loads"):
+        train.main([*bad, "--out", str(out / "bad")])
+    assert not (out / "bad" / "stdlib-llama-peagle3").exists()

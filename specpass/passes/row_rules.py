@@ -371,7 +371,6 @@ _ALONG_DIM = {  # op -> its dims argument: ops along an axis that keep every axi
     aten.topk.default: "dim", aten.sort.default: "dim", aten.flip.default: "dims",
     aten.split.Tensor: "dim", aten.split_with_sizes.default: "dim", aten.chunk.default: "dim",
     aten.slice.Tensor: "dim", aten.narrow.default: "dim", aten.index_select.default: "dim",
-    aten.cat.default: "dim",
 }
 
 
@@ -379,8 +378,7 @@ _ALONG_DIM = {  # op -> its dims argument: ops along an axis that keep every axi
 def _along_dim(node: fx.Node, spec: Selection, options: Options) -> Rule:
     if _whole_axis(node):  # x[:, 0:] — in dynamic graphs `pos[:, None]` keeps such a slice
         return Rule([same_axes(node.args[0], rank(node))])
-    inputs = node.args[0] if node.target is aten.cat.default else [node.args[0]]
-    return _along(node, spec, list(inputs), bind(node)[_ALONG_DIM[node.target]], keepdim=True)
+    return _along(node, spec, [node.args[0]], bind(node)[_ALONG_DIM[node.target]], keepdim=True)
 
 
 def _whole_axis(node: fx.Node) -> bool:
@@ -392,6 +390,21 @@ def _whole_axis(node: fx.Node) -> bool:
     end = args["end"]
     return args["start"] in (None, 0) and args["step"] == 1 and not isinstance(end, fx.Node) and (
         to_the_end(end) or known(end >= size))
+
+
+@rule(aten.cat.default)
+def _cat(node: fx.Node, spec: Selection, options: Options) -> Rule:
+    """Inputs joined along `dim`, in the output's frame: row-local along every other axis. A
+    1-D empty input (`torch.tensor([])`, a cache created empty) has no axes and adds nothing:
+    torch skips it, and so does the rule (it is used as is)."""
+    r = rank(node)
+    dim = bind(node)["dim"] % r
+    joined = [t for t in node.args[0] if not (len(shape_of(t)) == 1 != r and known(shape_of(t)[0] == 0))]
+    if dim in spec.axes and len(joined) > 1:  # (one input joined to nothing is itself)
+        sizes = " + ".join(str(shape_of(t)[dim]) for t in joined)
+        raise Stop(f"cat joins {len(joined)} inputs along the selected axis {dim} ({sizes} rows, one input after "
+                   "another): the selected rows are not the same rows of each input")
+    return Rule([same_axes(t, r) for t in joined])
 
 
 @rule(*EXPANDS)

@@ -33,19 +33,21 @@ def emit_live_rows(prog: Program, live: Liveness, candidates: dict[fx.Node, Cand
                 for operand, action in live.plans[node].items():
                     if isinstance(action, Keep) or operand in live.plans:
                         continue  # pulled operands were rewritten in place already
-                    # The rows are read where the consumer read them: one gather per write epoch.
-                    key = (operand, action, prog.epoch(operand, node))
-                    if key not in stop_gathers:
-                        x = operand
-                        if action.expand_to is not None:
-                            x = emit(prog.graph, aten.expand.default, (x, list(action.expand_to)))
-                        stop_gathers[key] = action.spec.gather(prog, x, f"{operand.name}_rows")
                     # `node` reads a fired gather through its source now (`exp()[:, :2]` then a
-                    # gather by index: the range fired first); if it also reads that source in its
+                    # gather by index: the range fired first), so its rows are gathered from the
+                    # source: the old gather node, run on the gathered source, would select again
+                    # (`x[:, 1:]` of rows 1: is rows 2:). If `node` also reads that source in its
                     # own right, the two arguments are one node and cannot be told apart.
                     read = replaced.get(operand, operand)
                     if read is not operand and read in live.plans[node]:
                         raise RuntimeError(f"{node.name} reads {read.name} both directly and through {operand.name}")
+                    # The rows are read where the consumer read them: one gather per write epoch.
+                    key = (read, action, prog.epoch(read, node))
+                    if key not in stop_gathers:
+                        x = read
+                        if action.expand_to is not None:
+                            x = emit(prog.graph, aten.expand.default, (x, list(action.expand_to)))
+                        stop_gathers[key] = action.spec.gather(prog, x, f"{operand.name}_rows")
                     operands[read] = stop_gathers[key]
                 _rewrite(prog, node, live.need[node], operands)
         candidate = candidates.get(node)
