@@ -1011,3 +1011,30 @@ def test_a_concatenation_off_the_selected_axis_passes_the_rows_through(inputs, d
         return F.linear(joined, head)[:, -1]
 
     _exact_and_ideal(step, torch.randn(B, T, H))
+
+
+def test_a_reader_of_a_source_both_directly_and_through_a_fired_range():
+    """`keys = s[:, :T]` is returned, and an einsum reads both `keys` and `s` itself: the range
+    fires (s runs on its rows :T only), and the einsum keeps its two arguments apart — the rows
+    it needs of `keys` are gathered from the rewritten s, and s is read as it now is. (The pass
+    used to raise "einsum reads tanh both directly and through slice_1" and was dropped.)"""
+    torch.manual_seed(0)
+    K = T + 2
+    w = torch.randn(H, H) / H**0.5
+
+    def step(x):
+        s = (x @ F.linear(x, w).transpose(1, 2)).tanh()  # [B, K, K]
+        keys = s[:, :T]  # [B, T, K]
+        return torch.einsum("bij,bjk->bj", keys, s)[:, :T], keys  # [B, T], [B, T, K]
+
+    x = torch.randn(B, K, H)
+    result = specpass.rewrite(specpass.capture(step, x))
+    assert not result.report.errors, str(result.report)
+    (finding,) = result.report.of("live_rows")
+    assert finding.fired and finding.nodes == ["slice_1", "slice_2"], str(result.report)
+    assert finding.rows == (B * K, B * T), str(result.report)
+    (einsum,) = [n for n in result.graph_module.graph.nodes if n.target is torch.ops.aten.einsum.default]
+    assert list(einsum.meta["val"].shape) == [B, T], str(result.graph_module.graph)  # on the selected rows
+    got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(x)
+    for g, want in zip(got, step(x), strict=True):
+        torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)

@@ -18,7 +18,7 @@ from specpass.passes.live_rows.liveness import FULL, Liveness, compose
 from specpass.passes.live_rows.program import Program
 from specpass.passes.live_rows.rows import Rows
 from specpass.passes.op_sets import EXPANDS, RESHAPES
-from specpass.passes.row_rules import Keep, out_shape_of, shape_of
+from specpass.passes.row_rules import Gather, Keep, out_shape_of, shape_of
 
 aten = torch.ops.aten
 
@@ -33,14 +33,10 @@ def emit_live_rows(prog: Program, live: Liveness, candidates: dict[fx.Node, Cand
                 for operand, action in live.plans[node].items():
                     if isinstance(action, Keep) or operand in live.plans:
                         continue  # pulled operands were rewritten in place already
-                    # `node` reads a fired gather through its source now (`exp()[:, :2]` then a
-                    # gather by index: the range fired first), so its rows are gathered from the
-                    # source: the old gather node, run on the gathered source, would select again
-                    # (`x[:, 1:]` of rows 1: is rows 2:). If `node` also reads that source in its
-                    # own right, the two arguments are one node and cannot be told apart.
+                    # A fired gather's rows are gathered from its source (`exp()[:, :2]` then a
+                    # gather by index: the range fired first): the old gather node, run on the
+                    # gathered source, would select again (`x[:, 1:]` of rows 1: is rows 2:).
                     read = replaced.get(operand, operand)
-                    if read is not operand and read in live.plans[node]:
-                        raise RuntimeError(f"{node.name} reads {read.name} both directly and through {operand.name}")
                     # The rows are read where the consumer read them: one gather per write epoch.
                     key = (read, action, prog.epoch(read, node))
                     if key not in stop_gathers:
@@ -48,17 +44,22 @@ def emit_live_rows(prog: Program, live: Liveness, candidates: dict[fx.Node, Cand
                         if action.expand_to is not None:
                             x = emit(prog.graph, aten.expand.default, (x, list(action.expand_to)))
                         stop_gathers[key] = action.spec.gather(prog, x, f"{operand.name}_rows")
-                    operands[read] = stop_gathers[key]
+                    operands[operand] = stop_gathers[key]  # by the argument: `node` may read `read` too
                 _rewrite(prog, node, live.need[node], operands)
         candidate = candidates.get(node)
         if candidate is not None and live.fired(candidate) and live.need.get(node) == FULL:
             if same_shape(shape_of(candidate.source), shape_of(node)):
-                node.replace_all_uses_with(candidate.source)
+                # A pulled reader that gathers rows of it is rewritten on them later, by this argument.
+                node.replace_all_uses_with(candidate.source, lambda user: not _gathers_from(live, user, node))
                 replaced[node] = candidate.source
             else:
                 node.target, node.kwargs = aten.reshape.default, {}
                 node.args = size_args(prog.graph, (candidate.source, shape_of(node)))
                 set_val(node)
+
+
+def _gathers_from(live: Liveness, user: fx.Node, operand: fx.Node) -> bool:
+    return isinstance(live.plans.get(user, {}).get(operand), Gather)
 
 
 def _rewrite(prog: Program, node: fx.Node, spec: Rows, operands: dict[fx.Node, fx.Node]) -> None:
