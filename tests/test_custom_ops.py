@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import library
 
 import specpass
-from specpass.passes import row_rules
+from specpass.passes.row_rules import engine as rule_engine
 from specpass.testing import graph_str
 
 HEADS, D, V, FFN, EPS = 2, 4, 16, 16, 1e-6
@@ -76,7 +76,7 @@ def _(x, positions, cos_sin):
 @pytest.fixture(autouse=True)
 def _own_registry(monkeypatch):
     """Each test starts from the built-in rules; what it registers goes away after it."""
-    monkeypatch.setattr(row_rules, "_RULES", dict(row_rules._RULES))
+    monkeypatch.setattr(rule_engine, "_RULES", dict(rule_engine._RULES))
 
 
 def register_attn():

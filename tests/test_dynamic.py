@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import specpass
-from specpass.passes import row_rules
+from specpass.passes.row_rules import engine as rule_engine
 from specpass.testing import graph_str
 from tests import test_custom_ops as engine
 from tests.test_live_rows_models import HEADS, _caches, _catch_up
@@ -195,7 +195,7 @@ def test_hugging_face_llama_with_dynamic_token_count():
 
 @pytest.fixture
 def own_registry(monkeypatch):
-    monkeypatch.setattr(row_rules, "_RULES", dict(row_rules._RULES))
+    monkeypatch.setattr(rule_engine, "_RULES", dict(rule_engine._RULES))
 
 
 def test_flat_token_axis_with_runtime_last_positions(own_registry):

@@ -13,7 +13,7 @@ import specpass
 from models.toy import ToyDraft
 from specpass import pipeline, report
 from specpass.graph import emit
-from specpass.passes import row_rules
+from specpass.passes.row_rules import engine as rule_engine
 from specpass.report import Finding
 
 aten = torch.ops.aten
@@ -107,7 +107,7 @@ def test_a_failing_rule_drops_the_live_row_pass(monkeypatch):
     def rule(node, spec, options):
         raise ValueError("injected rule failure")
 
-    monkeypatch.setattr(row_rules, "_RULES", dict(row_rules._RULES) | {aten.linear.default: rule})
+    monkeypatch.setattr(rule_engine, "_RULES", dict(rule_engine._RULES) | {aten.linear.default: rule})
     (message,) = _run_with_warnings(specpass.backend(handoff="eager"))
     assert "pass live_rows failed (ValueError: injected rule failure)" in message, message
 

@@ -1,5 +1,5 @@
 """Op sets the passes share: which ATen ops keep their input's values or only view it. A leaf: the
-rule engine (row_rules.py) and every pass read these without importing each other."""
+rule engine (row_rules/) and every pass read these without importing each other."""
 
 import torch
 

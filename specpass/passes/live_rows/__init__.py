@@ -12,7 +12,7 @@ Design: global liveness, one module per step, by rate of change.
 1. gathers.py reads every gather (select, slice, narrow, index, index_select, gather) as a row
    selection on its source — rows.py: `Static`, `PerBatch`, `Flat`.
 2. liveness.py, backward: a node whose users all need the same selection and whose op is
-   row-local for it (row_rules.py, shared with the arg-max pass) is pulled; its operands need the
+   row-local for it (the rules of row_rules/) is pulled; its operands need the
    selection mapped onto their axes (through reshapes: reshape.py).
 3. split.py: a fused projection whose column blocks have different needs (K/V on every row, Q
    on the live rows) is cut into one matmul per block, and liveness runs again.

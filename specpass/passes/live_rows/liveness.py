@@ -2,7 +2,7 @@
 
 In reverse program order each node learns what its users need: every row (FULL), or one
 selection. A node whose users all need the same selection, whose op is row-local for it
-(row_rules.py), and whose storage is not written in place before its users read it, is *pulled*:
+(row_rules/), and whose storage is not written in place before its users read it, is *pulled*:
 its operands then need the selection mapped onto their own axes. Anything else — an in-place
 write, a returned tensor, a row-mixing or unknown op — needs every row, and says why.
 """

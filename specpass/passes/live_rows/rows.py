@@ -2,7 +2,7 @@
 
 `x[:, -1]` is `Static(1, T-1, T)`; `x[arange(B), live]` is `PerBatch(0, 1, live[:, None])`;
 `x.reshape(B*T, H).index_select(0, ids)` is `Flat((0, 1), ids)`. Gathers are read as one of
-these (gathers.py), the rules map them from an op's output onto its operands (row_rules.py), and
+these (gathers.py), the rules map them from an op's output onto its operands (row_rules/), and
 each turns itself back into a gather (`gather`). A gathered tensor keeps its rank: a selected axis
 keeps length k; Flat keeps 1s and n.
 """
