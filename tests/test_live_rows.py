@@ -1038,3 +1038,19 @@ def test_a_reader_of_a_source_both_directly_and_through_a_fired_range():
     got = torch.compile(step, backend=specpass.backend(handoff="eager"), fullgraph=True)(x)
     for g, want in zip(got, step(x), strict=True):
         torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_index_moved_to_the_step_device_is_read_as_a_constant_on_the_cpu():
+    """`arange(B).to(x.device, torch.int64) * T + T - 1` on CUDA spells the device positionally
+    (`aten.to.device`): the constant reader evaluated it on the GPU, then compared it with CPU ids
+    and raised, and the pass was dropped (seen on an H200). Here the meta device stands for the GPU."""
+    from specpass.passes.live_rows.program import constant
+
+    aten, graph = torch.ops.aten, torch.fx.Graph()
+    ids = graph.call_function(aten.arange.default, (B,), {"dtype": torch.int64, "device": torch.device("cpu")})
+    moved = graph.call_function(aten.to.device, (ids, torch.device("meta"), torch.int64))
+    last = graph.call_function(aten.add.Tensor, (graph.call_function(aten.mul.Tensor, (moved, T)), T - 1))
+    graph.output(last)
+    value = constant(last)
+    assert value is not None and value.device.type == "cpu", value
+    assert value.tolist() == [T - 1, 2 * T - 1, 3 * T - 1]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from specpass.graph import emit, is_impure, is_mutation, size_args, storage, val, written_storages
 
@@ -124,9 +124,9 @@ def constant(node: fx.Node, budget: int = 64) -> torch.Tensor | None:
             return values[n]
         if len(values) >= budget or n.op != "call_function" or is_impure(n):
             raise NotConstant
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), evaluate)
-        if "device" in kwargs:
-            kwargs = kwargs | {"device": "cpu"}
+        # every device the graph names, keyword or positional (`to.device`'s), is the CPU here
+        args, kwargs = tree_map_only(torch.device, lambda _: torch.device("cpu"),
+                                     fx.node.map_arg((n.args, n.kwargs), evaluate))
         values[n] = n.target(*args, **kwargs)
         return values[n]
 
