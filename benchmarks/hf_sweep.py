@@ -5,17 +5,18 @@
     python -m benchmarks.hf_sweep --table hf_sweep.json         # the markdown table of a run
 
 For each model type in transformers' causal-LM auto mapping: a tiny random config (2 layers,
-hidden 32, 2 query heads of 16, 1 KV head, vocabulary 96), a `StaticCache`, a 3-token prefill
-run eagerly, then the continuation step `model(4 tokens, cache).logits[:, -1]` compiled with
-specpass (rewritten graphs run eagerly) against eager: the logits and the caches. Dynamo may
-break the step into several graph pieces; specpass rewrites each piece it captures, and the
-sweep reports what it did to all of them. Per architecture: built (or why not; a config whose
-"tiny" form still has over 5M parameters is skipped), the number of pieces (and where Dynamo
-broke the graph), rewritten (any piece), exact, matmul work after / before (over every piece,
-once per call), and whether it reaches the ideal — no piece has a matmul on every token row
-that feeds no KV write, followed across pieces — or, in the first piece short of it, the op that
-stops it. Sizes are chosen so the token axis (4, or 3 * 4 flattened) is the only axis of its
-size, which is how a matmul on every row is recognised.
+hidden 32, 2 query heads of 16, 1 KV head, vocabulary 96), a `StaticCache` (passed by the name the
+forward takes, `cache` or `past_key_values`; a model that takes neither runs on its new tokens
+alone), a 3-token prefill run eagerly, then the continuation step `model(4 tokens,
+cache).logits[:, -1]` compiled with specpass (rewritten graphs run eagerly) against eager: the
+logits and the caches. Dynamo may break the step into several graph pieces; specpass rewrites
+each piece it captures, and the sweep reports what it did to all of them. Per architecture:
+built (or why not; a config whose "tiny" form still has over 5M parameters is skipped), the
+number of pieces (and where Dynamo broke the graph), rewritten (any piece), exact, matmul work
+after / before (over every piece, once per call), and whether it reaches the ideal — no piece
+has a matmul on every token row that feeds no KV write, followed across pieces — or, in the
+first piece short of it, the op that stops it. Sizes are chosen so the token axis (4, or 3 * 4
+flattened) is the only axis of its size, which is how a matmul on every row is recognised.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from benchmarks import harness
 from specpass.graph import is_mutation
+from specpass.hf.adapters import cache_keyword
 from specpass.testing import full_row_matmuls
 
 B, PREFIX, T, CACHE = 3, 3, 4, 16
@@ -79,13 +81,17 @@ def sweep_one(model_type: str, class_name: str) -> dict:
     except Exception as exc:
         return row | dict(built=False, reason=f"build: {type(exc).__name__}: {str(exc)[:160]}")
     ids = torch.randint(3, SIZES["vocab_size"], (B, PREFIX + T))
+    keyword = cache_keyword(model)  # `cache` from transformers 5.24 on, where some models ignore the old name
 
     def new_cache():
         return StaticCache(config=config, max_cache_len=CACHE)
 
+    def with_cache(cache):  # a model that takes no cache runs on the new tokens only
+        return {} if keyword is None else {keyword: cache}
+
     def step_with(cache):
         def step(tokens, cache_position):
-            return model(input_ids=tokens, past_key_values=cache, cache_position=cache_position,
+            return model(input_ids=tokens, **with_cache(cache), cache_position=cache_position,
                          use_cache=True).logits[:, -1]
         return step
 
@@ -94,7 +100,7 @@ def sweep_one(model_type: str, class_name: str) -> dict:
     def compile_step(pieces, calls, fullgraph):
         with torch.no_grad():
             cache = new_cache()
-            model(input_ids=ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, :PREFIX], **with_cache(cache), use_cache=True)
             torch.compiler.reset()
             got = torch.compile(step_with(cache), backend=_recording_backend(pieces, calls), fullgraph=fullgraph,
                                 dynamic=False)(ids[:, PREFIX:], positions)
@@ -103,7 +109,7 @@ def sweep_one(model_type: str, class_name: str) -> dict:
     try:
         with torch.no_grad():
             cache = new_cache()
-            model(input_ids=ids[:, :PREFIX], past_key_values=cache, use_cache=True)
+            model(input_ids=ids[:, :PREFIX], **with_cache(cache), use_cache=True)
             want = step_with(cache)(ids[:, PREFIX:], positions)
             want_caches = [t.clone() for t in _cache_tensors(cache)]
     except Exception as exc:
