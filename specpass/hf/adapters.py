@@ -95,7 +95,7 @@ def _layer_types(config) -> list[str]:
 
 
 class HFTarget(nn.Module):
-    """`specpass.speculative.Target` over a transformers causal LM (its `forward`, unchanged)."""
+    """`specpass.Target` over a transformers causal LM (its `forward`, unchanged)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -110,7 +110,7 @@ class HFTarget(nn.Module):
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and max_len > limit:  # a learned position table has no row past it (GPT-2)
             raise ValueError(f"the cache needs {max_len} positions (the longest prompt + max_new_tokens + what "
-                             f"a round writes past them, `speculative.cache_slots`) "
+                             f"a round writes past them, `cache_slots`) "
                              f"but {type(self.model).__name__} was made for {limit} positions: lower max_new_tokens "
                              "or shorten the prompts")
         self.window = sliding_window(self.model.config, max_len)
@@ -143,7 +143,7 @@ class HFTarget(nn.Module):
 
 
 class HFDrafter(nn.Module):
-    """`specpass.speculative.Drafter` over a standalone transformers causal LM with the target's
+    """`specpass.Drafter` over a standalone transformers causal LM with the target's
     vocabulary. Its catch-up is the plain forward, then one row per request: the gather that
     specpass's live-row pass moves up to right after the KV writes. It carries no hidden state."""
 
