@@ -100,7 +100,7 @@ class HFTarget(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        self.cache_keyword = cache_keyword(model)  # read once: `run` is called every step
+        self.cache_keyword: str | None = None  # read in setup_caches, once per Decoder: `run` is called every step
         self.cache: PositionCache | None = None
         self.window: int | None = None
         # SDPA reads a bool mask; eager attention adds the mask to its scores
@@ -115,6 +115,7 @@ class HFTarget(nn.Module):
                              "or shorten the prompts")
         self.window = sliding_window(self.model.config, max_len)
         self.cache = PositionCache(self.model.config.num_hidden_layers, max_len)
+        self.cache_keyword = cache_keyword(self.model)
 
     def run(self, tokens: Tensor, positions: Tensor, hidden_states: bool = False):
         """tokens, positions [B, T] -> the model's output (logits [B, T, V])."""

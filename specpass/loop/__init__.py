@@ -3,8 +3,9 @@
     protocols.py  Target, Drafter, ParallelDrafter: what the loop asks of its models
     steps.py      the pure, traceable steps every round shape shares (verify, judge, accept, ...)
     shapes.py     RoundShape, and round_shape(drafter): which shape a drafter's rounds take
-    plain.py      no drafter            chain.py  K-1 draft steps + catch-up
-    parallel.py   one draft forward
+    plain.py      PLAIN: no drafter, the target's own decoding
+    chain.py      CHAIN: a Drafter's round, K-1 draft steps and a catch-up
+    parallel.py   PARALLEL: a ParallelDrafter's round, one draft forward
     cost.py       the choice of K: price, choose_k, next_k_to_time, KChoice
     runtime.py    compiling and running the steps: own code objects, guards, CUDA-graph clones, timers
     checks.py     what Decoder is given, checked

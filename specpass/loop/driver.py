@@ -27,11 +27,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from specpass.loop import runtime
 from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts, check_timing,
                                   check_tuning, device_of, is_int, probe)
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, price
 from specpass.loop.protocols import Drafter, Target
-from specpass.loop import runtime
 from specpass.loop.runtime import DoneFlags, PhaseTimer, clock, compiler, replayed
 from specpass.loop.steps import Carry, State, Steps, carried, decode_round, prefill_step
 from specpass.sampling import Params, per_request
@@ -120,7 +120,7 @@ class Decoder:
                  fused_round: bool = False, greedy_drafts: bool = False, compile_prefill: bool = True,
                  skip_guards: bool = True):
         self._shape = check_models(target, drafter)
-        check_k(drafter, k if drafter is not None else 0)
+        check_k(drafter, k if drafter is not None else 0)  # before any cache is allocated (`use_k` below)
         check_options(max_batch, max_len, compile, compile_prefill, skip_guards)
         self.target, self.drafter = target, drafter
         self.max_batch, self.max_len = max_batch, max_len

@@ -2,12 +2,13 @@
 
 specpass does not import the model zoo: a target and a drafter are anything with these members
 (the zoo's adapters are in models/drafters.py, transformers' in specpass/hf/adapters.py). The
-Protocols are checked at run time (`isinstance`): which one a drafter satisfies decides its round
-shape, once (`specpass.loop.shapes.round_shape`).
+Protocols are runtime-checkable (`isinstance`); which one a drafter satisfies (has every member of,
+`missing`) decides its round shape, once (`specpass.loop.shapes.round_shape`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Protocol, runtime_checkable
 
@@ -66,7 +67,8 @@ class ParallelDrafter(Drafter, Protocol):
         drafter's own (mask slots, padding); every row's K/V is written."""
 
 
-def members(protocol: type) -> list[str]:
+@functools.cache
+def members(protocol: type) -> tuple[str, ...]:
     """The names a Protocol asks for, in the order written, its bases' first: annotated attributes,
     then methods."""
     found: list[str] = []
@@ -76,7 +78,7 @@ def members(protocol: type) -> list[str]:
         methods = [name for name, value in vars(cls).items()
                    if callable(value) and (not name.startswith("_") or name == "__call__")]
         found += [name for name in [*inspect.get_annotations(cls), *methods] if name not in found]
-    return found
+    return tuple(found)
 
 
 def missing(model: Any, protocol: type, optional: tuple[str, ...] = ()) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from specpass.loop.chain import CHAIN
 from specpass.loop.parallel import PARALLEL
 from specpass.loop.plain import PLAIN
-from specpass.loop.protocols import Drafter, Target, require
+from specpass.loop.protocols import Drafter, Target, missing, require
 from specpass.loop.steps import Carry, Steps
 
 
@@ -40,7 +40,7 @@ class RoundShape(Protocol):
         None: no drafter."""
 
 
-SHAPES: tuple[RoundShape, ...] = (PARALLEL, CHAIN)  # the drafter shapes, the narrowest Protocol first
+SHAPES: tuple[RoundShape, ...] = (PARALLEL, CHAIN)  # the drafter shapes, the narrowest Protocol first, Drafter last
 
 
 def round_shape(drafter: Any) -> RoundShape:
@@ -48,12 +48,8 @@ def round_shape(drafter: Any) -> RoundShape:
     decoding). Anything else is refused, with the members of `Drafter` it lacks."""
     if drafter is None:
         return PLAIN
-    for shape in SHAPES:
-        if isinstance(drafter, shape.drafter_protocol):
-            return shape
-    require(drafter, "drafter", Drafter)  # names the members it lacks
-    raise TypeError(f"the drafter ({type(drafter).__name__}) has the members of specpass.Drafter, but isinstance "
-                    "does not find them on its class or instance (see typing.runtime_checkable)")
+    require(drafter, "drafter", Drafter)  # every drafter shape's Protocol extends Drafter
+    return next(shape for shape in SHAPES if not missing(drafter, shape.drafter_protocol))
 
 
 def cache_slots(prompt_len: int, max_new_tokens: int, k: int) -> int:
