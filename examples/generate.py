@@ -34,7 +34,7 @@ import specpass  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.drafters import load_pair  # noqa: E402
 from models.text import EOS, VOCAB, decode, encode, load_prompts  # noqa: E402
-from specpass.speculative import COMPILERS, Decoder, cache_slots  # noqa: E402
+from specpass.loop import COMPILERS, Decoder, cache_slots  # noqa: E402
 
 CHECKPOINTS = ROOT / "checkpoints"
 DEFAULT_TARGET, DEFAULT_EAGLE = CHECKPOINTS / "stdlib-llama", CHECKPOINTS / "stdlib-llama-eagle3"
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     backend = specpass.backend(handoff=args.handoff) if args.compile == "specpass" else args.compile
     reports = _collect_reports()
     prompts = [encode(t) for t in texts]
-    max_len = cache_slots(max(map(len, prompts)), args.max_new_tokens, args.k, parallel=True)
+    max_len = cache_slots(max(map(len, prompts)), args.max_new_tokens, args.k)
     shape = dict(max_batch=len(prompts), max_len=max_len,
                  compile=backend, mode="reduce-overhead" if cuda and args.compile != "eager" else None)
     fused = args.round == "fused"

@@ -1,11 +1,11 @@
-"""Zoo drafts behind `specpass.speculative.Drafter`, and loading a target + draft pair from folders.
+"""Zoo drafts behind `specpass.Drafter`, and loading a target + draft pair from folders.
 
     drafter = ZooDrafter(zoo.build("tiny-llama-eagle3"))        # EAGLE-3, NextN or a standalone Llama
     target, drafter = load_pair(target_dir, "eagle", eagle_dir)  # checked against each other
     drafter = adapt(zoo.build("tiny-llama-peagle3"))             # a parallel head: ParallelZooDrafter
     other = load_drafter(target, "draft", draft_dir)             # another draft for the same target
 
-`Llama` is already a `specpass.speculative.Target` (`__call__`, `forward_with_hidden`,
+`Llama` is already a `specpass.Target` (`__call__`, `forward_with_hidden`,
 `setup_caches`); the drafts need only three facts the loop asks for: which target hidden states
 their catch-up reads (`hidden_kind`), how their ids map to the target's (`to_target`), and where
 their K/V goes.
@@ -65,7 +65,7 @@ class ZooDrafter(nn.Module):
 
 
 class ParallelZooDrafter(ZooDrafter):
-    """A parallel-drafting head as a `specpass.speculative.ParallelDrafter`: K drafts per forward."""
+    """A parallel-drafting head as a `specpass.ParallelDrafter`: K drafts per forward."""
 
     def draft_parallel(self, tokens, positions, hidden, live, k):
         return self.model.draft_parallel(tokens, positions - self.shift, hidden, live, k)

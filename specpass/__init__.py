@@ -14,6 +14,7 @@ import types
 from specpass.compile_backend import SpecpassWarning, backend, default_backend
 from specpass.capture import CaptureError, capture
 from specpass.export_program import export
+from specpass.loop import Decoder, Drafter, ParallelDrafter, Target
 from specpass.options import Options
 from specpass.passes.row_rules import register_row_rule
 from specpass.pipeline import PASSES, RewriteResult, explain, rewrite
@@ -22,11 +23,16 @@ from specpass.report import Finding, Report
 __all__ = [
     "PASSES",
     "CaptureError",
+    "Decoder",
+    "DecoderCache",
+    "Drafter",
     "Finding",
     "Options",
+    "ParallelDrafter",
     "Report",
     "RewriteResult",
     "SpecpassWarning",
+    "Target",
     "backend",
     "capture",
     "explain",
@@ -37,11 +43,21 @@ __all__ = [
 ]
 
 
-def generate(*args, **kwargs):
-    """Speculative decoding of a transformers causal LM, as `model.generate` (specpass.hf.generate.generate)."""
-    from specpass.hf.generate import generate as run  # lazily: `import specpass` does not import transformers
+_FROM_HF = ("DecoderCache", "generate")  # they import transformers: imported on first access, not by `import specpass`
 
-    return run(*args, **kwargs)
+
+def __getattr__(name):
+    """`specpass.generate` and `specpass.DecoderCache`, imported on first access (PEP 562)."""
+    if name not in _FROM_HF:
+        raise AttributeError(f"module 'specpass' has no attribute {name!r}")
+    from specpass.hf.generate import DecoderCache, generate
+
+    globals().update(DecoderCache=DecoderCache, generate=generate)  # later accesses skip this hook
+    return globals()[name]
+
+
+def __dir__():
+    return sorted({*globals(), *_FROM_HF})
 
 
 class _BackendModule(types.ModuleType):

@@ -18,7 +18,7 @@ from models.checkpoint import CheckpointError, load, save
 from models.drafters import ZooDrafter
 from models.eagle3 import Eagle3Head
 from models.llama import Llama
-from specpass.speculative import Decoder
+from specpass.loop import Decoder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,10 +135,10 @@ def test_unknown_compiler(target):
 
 def test_models_without_the_protocols_members(target):
     with pytest.raises(TypeError, match=r"the drafter \(Llama\) lacks \['hidden_kind', 'to_target'\]: a drafter needs "
-                                        r"the members of specpass.speculative.Drafter"):
+                                        r"the members of specpass.Drafter"):
         decoder(target, zoo.build("tiny-llama-draft"))  # the model, not its ZooDrafter
     with pytest.raises(TypeError, match=r"the target \(Linear\) lacks \['setup_caches'\]: a target needs the "
-                                        r"members of specpass.speculative.Target"):
+                                        r"members of specpass.Target"):
         decoder(torch.nn.Linear(2, 2))
 
     class NoHidden(torch.nn.Module):  # enough for plain decoding, not for an EAGLE-3 drafter

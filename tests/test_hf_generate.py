@@ -5,9 +5,13 @@ ragged left-padded batch; EOS per request; the live-row rewrite on the draft's c
 refusals. Tiny random configs, fp32, CPU, the steps run eagerly except in the compile test."""
 
 import copy
+import gc
+import inspect
+import pydoc
 import subprocess
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -161,6 +165,52 @@ def test_rewrites_are_reported_after_other_specpass_compiles():
 def test_import_specpass_does_not_import_transformers():
     code = "import sys, specpass; assert 'transformers' not in sys.modules; print(specpass.generate.__name__)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "generate"
+
+
+def test_generate_shows_its_signature():
+    """`specpass.generate` is the function itself, imported on first access: its signature and help
+    are the real ones, and `dir(specpass)` lists it before transformers is imported."""
+    parameters = inspect.signature(specpass.generate).parameters
+    assert list(parameters)[:3] == ["model", "input_ids", "max_new_tokens"] and "decoder_cache" in parameters
+    assert "max_new_tokens" in pydoc.render_doc(specpass.generate)
+    exported = {"generate", "DecoderCache", "Decoder", "Drafter", "ParallelDrafter", "Target"}
+    assert exported <= set(specpass.__all__) and exported <= set(dir(specpass))
+    code = ("import sys, specpass; assert {'generate', 'DecoderCache'} <= set(dir(specpass)); "
+            "assert 'transformers' not in sys.modules; import inspect; print(inspect.signature(specpass.generate))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and "max_new_tokens: 'int'" in result.stdout, result.stderr
+
+
+def test_generate_keeps_one_decoder_per_configuration():
+    cache = specpass.DecoderCache(keep=2)
+    model = build("llama")
+    first = ours(model, IDS, MASK, decoder_cache=cache)
+    (decoder,) = cache
+    again = ours(model, IDS, MASK, decoder_cache=cache)
+    assert list(cache) == [decoder] and torch.equal(first.sequences, again.sequences)  # reused
+    for rows in (1, 2):  # other batch sizes: a Decoder each; keep=2 drops the least recently used
+        ours(model, IDS[:rows], MASK[:rows], decoder_cache=cache)
+    assert len(cache) == 2 and [d.max_batch for d in cache] == [1, 2] and decoder not in list(cache)
+    with pytest.raises(ValueError, match="keep .* must be an int >= 0, got -1"):
+        specpass.DecoderCache(keep=-1)
+
+
+def test_clear_frees_the_models():
+    """A cached Decoder holds its models (an id in a key can never name another model); `clear`
+    lets them go. The default cache is `specpass.generate.cache`."""
+    for cache in (specpass.DecoderCache(), None):
+        held = cache if cache is not None else specpass.generate.cache
+        held.clear()
+        model, draft = build("llama"), build("llama", noise=0.1)
+        ours(model, IDS, MASK, assistant_model=draft, decoder_cache=cache)
+        assert len(held) == 1
+        refs = [weakref.ref(model), weakref.ref(draft)]
+        del model, draft
+        gc.collect()
+        assert all(ref() is not None for ref in refs)  # the cache holds them
+        held.clear()
+        gc.collect()
+        assert all(ref() is None for ref in refs) and len(held) == 0
 
 
 def _refusal(match, error=ValueError, model=None, **kw):

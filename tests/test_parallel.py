@@ -10,17 +10,16 @@ import pytest
 import torch
 
 import specpass
-import specpass.speculative as speculative
 from models import zoo
 from models.drafters import ParallelZooDrafter, ZooDrafter, adapt
 from models.peagle import ParallelEagle3Config, ParallelEagle3Head
-from specpass.speculative import Decoder, Proposal
+from specpass.loop import Decoder, Proposal, cache_slots, parallel
 from tests import test_sampling
 from tests.test_speculative import CountingBackend
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
 NEW = 24
-MAX_LEN = speculative.cache_slots(9, NEW, 5, parallel=True)  # K up to 5
+MAX_LEN = cache_slots(9, NEW, 5)  # K up to 5, any drafter
 
 
 @pytest.fixture(scope="module")
@@ -183,13 +182,13 @@ def test_speculative_sampling_keeps_the_distribution(sampling_target, n):
 
 def test_judging_a_draft_against_another_draft_s_proposal_is_rejected(sampling_target, n, monkeypatch):
     """Power: the same test rejects a loop that judges the drafts with their proposals in reverse order."""
-    propose_rows = speculative.propose_rows
+    propose_rows = parallel.propose_rows
 
     def swapped(*args):
         ids, q = propose_rows(*args)
         return ids, None if q is None else Proposal(q.probs.flip(1), q.at.flip(1))
 
-    monkeypatch.setattr(speculative, "propose_rows", swapped)
+    monkeypatch.setattr(parallel, "propose_rows", swapped)
     tokens, _ = sample_parallel(sampling_target, n)
     monkeypatch.undo()
     reference, _ = test_sampling.run(sampling_target, n, seed=7, temperature=1.0)
@@ -208,7 +207,7 @@ def test_a_finished_request_s_draft_forward_fits_the_cache(target):
     frozen while another decodes: its draft forward writes 2K slots past its position, K-1 more
     than a chain round. The cache `cache_slots` sizes holds them, and Decoder refuses one slot less."""
     k, prompts, limits = 4, [PROMPTS[1], PROMPTS[0]], [12, 17]  # 9 + 12: 1, 6, 11, then 1 of 5 emitted
-    max_len = max(speculative.cache_slots(len(p), n, k, parallel=True) for p, n in zip(prompts, limits))
+    max_len = max(cache_slots(len(p), n, k) for p, n in zip(prompts, limits))
     assert max_len == 9 + 12 + 3 * k > 3 + 17 + 3 * k  # the request that finishes first needs the most
     want = Decoder(target, None, max_batch=2, max_len=max_len, compile="eager").generate(prompts, limits)
     out = Decoder(target, ExactParallelCopy(target), k=k, max_batch=2, max_len=max_len,

@@ -26,14 +26,14 @@ import pytest
 import torch
 
 import specpass
-import specpass.speculative as speculative
 from models import zoo
 from models.drafters import ZooDrafter
 from models.eagle3 import Eagle3Config
 from models.llama import LlamaConfig
 from specpass.kernels.counter import key, uniform
 from specpass.sampling import DRAFT, Params, floor_of, logprobs
-from specpass.speculative import Decoder, Proposal, judge
+from specpass.loop import Decoder, Proposal, round_shape, steps
+from specpass.loop.steps import judge
 
 V = 16
 PROMPT = [3, 1, 4, 1, 5]
@@ -80,7 +80,7 @@ def _drafter(kind: str) -> ZooDrafter:
 
 def run(target, n, drafter=None, k=2, greedy_drafts=False, compile="eager", fused=False, seed=0, **params):
     backend = specpass.backend(handoff="eager") if compile == "specpass" else compile
-    max_len = speculative.cache_slots(len(PROMPT), NEW, k, hasattr(drafter, "draft_parallel")) + 1
+    max_len = round_shape(drafter).cache_slots(len(PROMPT), NEW, k) + 1
     dec = Decoder(target, drafter, k=k, max_batch=n, max_len=max_len, compile=backend,
                   fused_round=fused, greedy_drafts=greedy_drafts)
     out = dec.generate([PROMPT] * n, NEW, seed=seed, **params)
@@ -171,7 +171,7 @@ def _propose_judged_with_uncut_q(drafter, sampled, logits, params, pos):
     return ids, Proposal(q, q.gather(1, draft_ids[:, None])[:, 0])
 
 
-_PROPOSE = speculative.propose
+_PROPOSE = steps.propose
 WRONG = {
     "accept-when-p>=q": ("accepts", _accepts_when_p_at_least_q, "eagle-t1"),
     "residual-from-p": ("residual", _residual_from_p, "eagle-t1"),
@@ -182,7 +182,7 @@ WRONG = {
 @pytest.mark.parametrize("wrong", list(WRONG))
 def test_a_wrong_sampler_is_rejected(target, n, wrong, monkeypatch):
     name, replacement, case = WRONG[wrong]
-    monkeypatch.setattr(speculative, name, replacement)
+    monkeypatch.setattr(steps, name, replacement)
     stat, df, p = two_sample(speculate(target, n, case)[0], reference(target, n, case))
     assert p < ALPHA, f"{wrong} not rejected on {case}: chi-square {stat:.1f} on {df} df, p = {p:.2e}"
 

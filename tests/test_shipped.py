@@ -12,7 +12,7 @@ from models.checkpoint import load
 from models.drafters import load_drafter
 from models.llama import Llama
 from models.text import BOS, encode, load_prompts
-from specpass.speculative import Decoder, cache_slots
+from specpass.loop import Decoder, cache_slots
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 TARGET = CHECKPOINTS / "stdlib-llama"
@@ -49,7 +49,7 @@ def test_transformers_loads_the_target_and_decodes_the_same_tokens(target, promp
                                                        ("parallel", "stdlib-llama-peagle3", 2.3)])
 def test_shipped_drafters_are_lossless_and_accepted(target, prompts, kind, folder, min_accept):
     k = 4
-    max_len = cache_slots(max(map(len, prompts)), NEW, k, parallel=True)
+    max_len = cache_slots(max(map(len, prompts)), NEW, k)
     shape = dict(max_batch=len(prompts), max_len=max_len, compile="eager")
     plain = Decoder(target, None, **shape).generate(prompts, NEW)
     out = Decoder(target, load_drafter(target, kind, CHECKPOINTS / folder), k=k, **shape).generate(prompts, NEW)

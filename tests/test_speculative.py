@@ -19,8 +19,8 @@ from models import zoo
 from specpass.capture import to_aten_ir
 from models.checkpoint import save
 from models.drafters import ZooDrafter
-from specpass import speculative
-from specpass.speculative import Decoder, choose_k, expected_accept_length, first_true, next_k_to_time, price
+from specpass.loop import Decoder, choose_k, expected_accept_length, next_k_to_time, price, runtime
+from specpass.loop.steps import first_true
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
@@ -229,13 +229,13 @@ def test_decoders_over_one_pair_keep_their_own_compile_caches(target):
 def stance_per_round(monkeypatch):
     """-> a list that gets, at each round's host sync, whether Dynamo skips guard evaluation."""
     seen = []
-    push = speculative._DoneFlags.push
+    push = runtime.DoneFlags.push
 
     def recording(self, finished):
         seen.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
         return push(self, finished)
 
-    monkeypatch.setattr(speculative._DoneFlags, "push", recording)
+    monkeypatch.setattr(runtime.DoneFlags, "push", recording)
     return seen
 
 
@@ -252,7 +252,7 @@ def test_rounds_after_the_second_skip_guard_evaluation(target, monkeypatch):
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe  # restored after the loop
     seen.clear()
     with pytest.raises(RuntimeError, match="stop"):  # restored when the loop raises, too
-        monkeypatch.setattr(speculative._DoneFlags, "push", lambda self, finished: (_ for _ in ()).throw(
+        monkeypatch.setattr(runtime.DoneFlags, "push", lambda self, finished: (_ for _ in ()).throw(
             RuntimeError("stop")) if len(seen) > 4 else seen.append(1))
         dec.generate(PROMPTS, NEW)
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe

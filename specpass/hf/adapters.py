@@ -95,12 +95,12 @@ def _layer_types(config) -> list[str]:
 
 
 class HFTarget(nn.Module):
-    """`specpass.speculative.Target` over a transformers causal LM (its `forward`, unchanged)."""
+    """`specpass.Target` over a transformers causal LM (its `forward`, unchanged)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        self.cache_keyword = cache_keyword(model)  # read once: `run` is called every step
+        self.cache_keyword: str | None = None  # read in setup_caches, once per Decoder: `run` is called every step
         self.cache: PositionCache | None = None
         self.window: int | None = None
         # SDPA reads a bool mask; eager attention adds the mask to its scores
@@ -110,11 +110,12 @@ class HFTarget(nn.Module):
         limit = getattr(self.model.config, "max_position_embeddings", None)
         if limit is not None and max_len > limit:  # a learned position table has no row past it (GPT-2)
             raise ValueError(f"the cache needs {max_len} positions (the longest prompt + max_new_tokens + what "
-                             f"a round writes past them, `speculative.cache_slots`) "
+                             f"a round writes past them, `cache_slots`) "
                              f"but {type(self.model).__name__} was made for {limit} positions: lower max_new_tokens "
                              "or shorten the prompts")
         self.window = sliding_window(self.model.config, max_len)
         self.cache = PositionCache(self.model.config.num_hidden_layers, max_len)
+        self.cache_keyword = cache_keyword(self.model)
 
     def run(self, tokens: Tensor, positions: Tensor, hidden_states: bool = False):
         """tokens, positions [B, T] -> the model's output (logits [B, T, V])."""
@@ -143,7 +144,7 @@ class HFTarget(nn.Module):
 
 
 class HFDrafter(nn.Module):
-    """`specpass.speculative.Drafter` over a standalone transformers causal LM with the target's
+    """`specpass.Drafter` over a standalone transformers causal LM with the target's
     vocabulary. Its catch-up is the plain forward, then one row per request: the gather that
     specpass's live-row pass moves up to right after the KV writes. It carries no hidden state."""
 

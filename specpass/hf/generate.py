@@ -1,12 +1,13 @@
 """`specpass.generate`: speculative decoding of a transformers causal LM, in `model.generate`'s terms.
 
     out = specpass.generate(model, input_ids, attention_mask=mask, assistant_model=draft, max_new_tokens=64)
+    specpass.generate.cache.clear()   # frees the compiled Decoders it keeps (and the models they hold)
 
 Left-padded `input_ids` [B, P] and `attention_mask` in; prompt + new tokens out, [B, P + N], rows
 that stop early padded with `pad_token_id`, as `model.generate` returns them. do_sample=True samples
 with `temperature`, `top_k`, `top_p` (the model's generation_config's where not given, as
 `generate` takes them) and `seed`; speculative sampling keeps that distribution exactly.
-The loop is specpass's `Decoder` (specpass/speculative.py) over the adapters in adapters.py.
+The loop is specpass's `Decoder` (specpass/loop/) over the adapters in adapters.py.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import collections
 import dataclasses
 import logging
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -25,7 +26,7 @@ from transformers import PreTrainedModel
 
 import specpass
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair
-from specpass.speculative import Decoder, Metrics, cache_slots
+from specpass.loop import Decoder, Metrics, round_shape
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
 
@@ -39,8 +40,54 @@ class GenerateOutput:
     rewrites: dict[str, list[str]]  # per compiled step (prefill, draft, verify, accept, catch_up): what specpass rewrote
 
 
-KEEP = 4  # compiled Decoders kept for reuse: one per (models, K, batch size, cache length, compile options)
-_built: collections.OrderedDict[tuple, tuple[Decoder, "_Recorder | None"]] = collections.OrderedDict()
+class _Entry(NamedTuple):
+    decoder: Decoder
+    recorder: _Recorder | None
+    models: tuple[Any, Any]  # the model and the assistant: held, so their ids in the key cannot be reused
+
+
+class DecoderCache:
+    """The compiled Decoders `generate` keeps for reuse, one per configuration (the model and the
+    assistant, K, batch size, cache length, compile options), each holding its models, KV caches
+    and compiled graphs (CUDA graphs on a GPU); the least recently used is dropped beyond `keep`.
+
+        specpass.generate.cache                  the one `generate` uses by default (keep=4)
+        len(cache), list(cache)                  its Decoders, least recently used first
+        cache.clear()                            drop them all: the models are freed once nothing else holds them
+        mine = specpass.DecoderCache(keep=1)     your own: generate(..., decoder_cache=mine)
+    """
+
+    def __init__(self, keep: int = 4):
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+            raise ValueError(f"keep (compiled Decoders kept) must be an int >= 0, got {keep!r}")
+        self.keep = keep
+        self._entries: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[Decoder]:
+        return iter([entry.decoder for entry in self._entries.values()])
+
+    def __repr__(self) -> str:
+        return f"DecoderCache(keep={self.keep}, holding {len(self)})"
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def _get(self, key: tuple, models: tuple[Any, Any], build: Callable[[], tuple[Decoder, _Recorder | None]]) -> _Entry:
+        """The entry for key, built when missing (after dropping the least recently used beyond keep - 1,
+        so that their caches are freed before new ones are allocated)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            while self._entries and len(self._entries) >= self.keep:
+                self._entries.popitem(last=False)
+            entry = _Entry(*build(), models)
+            if self.keep:
+                self._entries[key] = entry
+        else:
+            self._entries.move_to_end(key)
+        return entry
 
 
 @torch.no_grad()
@@ -49,19 +96,21 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
              pad_token_id: int | None = None, do_sample: bool = False, tokenizer: Any = None,
              assistant_tokenizer: Any = None, compile: str | Callable = "specpass", mode: str | None = None,
              fused_round: bool | None = None, cache_len: int | None = None, return_dict_in_generate: bool = False,
-             **sampling: Any) -> Tensor | GenerateOutput:
+             decoder_cache: DecoderCache | None = None, **sampling: Any) -> Tensor | GenerateOutput:
     """Lossless speculative decoding of `model`, greedy or sampled; see docs/hf.md.
 
     assistant_model: None (plain decoding, compiled the same way), a transformers causal LM with the
-      model's tokenizer (a standalone draft), or any `specpass.speculative.Drafter`, e.g. an
+      model's tokenizer (a standalone draft), or any `specpass.Drafter`, e.g. an
       EAGLE-3 head (`models.drafters.ZooDrafter`), which reads the model's hidden states.
     num_assistant_tokens: K, the drafts per round. eos_token_id, pad_token_id: default the model's
       generation_config's. tokenizer, assistant_tokenizer: when both are given, their vocabularies
       must be the same. compile: "specpass", "inductor", "eager" or a backend callable; mode,
       fused_round: default CUDA graphs ("reduce-overhead") and the fused round on a GPU.
     cache_len: the static cache length (default: the longest prompt + max_new_tokens + 2K + 1, 3K for
-      a parallel drafter: `speculative.cache_slots`);
+      a parallel drafter: the round shape's `cache_slots`);
       a fixed one lets calls with other prompt lengths reuse the compiled steps.
+    decoder_cache: where the compiled Decoders are kept for the next call (default `generate.cache`,
+      which keeps 4; a `DecoderCache` of your own, or `DecoderCache(keep=0)` to keep none).
     sampling (with do_sample=True): `temperature`, `top_k`, `top_p` (default: the model's
       generation_config's, as `generate`), `seed` (the same seed gives the same tokens).
     """
@@ -76,25 +125,24 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     pad = next((p for p in (pad_token_id, model.generation_config.pad_token_id, eos) if p is not None), None)
     options = _sampling(model, do_sample, sampling)
 
-    need = cache_slots(max(map(len, prompts)), max_new_tokens, k, hasattr(assistant_model, "draft_parallel"))
+    drafter = HFDrafter(assistant_model) if standalone else assistant_model
+    need = round_shape(drafter).cache_slots(max(map(len, prompts)), max_new_tokens, k)
     if cache_len is not None and cache_len < need:
         raise ValueError(f"cache_len {cache_len} is shorter than the {need} slots the longest prompt + max_new_tokens "
                          f"need at K {k} (`cache_slots`): raise it to {need} or more")
     cuda = model.device.type == "cuda"
     mode = mode if mode is not None else "reduce-overhead" if cuda else None
     fused_round = fused_round if fused_round is not None else cuda
-    key = (id(model), id(assistant_model), k, len(prompts), cache_len or need, compile, mode, fused_round)
-    if key not in _built:
-        while len(_built) >= KEEP:  # the oldest goes first, freeing its caches before new ones are allocated
-            _built.popitem(last=False)
+
+    def build() -> tuple[Decoder, _Recorder | None]:
         backend = specpass.backend() if compile == "specpass" else compile
         recorder = _Recorder(backend) if callable(backend) else None  # "inductor", "eager": nothing to report
-        drafter = HFDrafter(assistant_model) if standalone else assistant_model
-        decoder = Decoder(HFTarget(model), drafter, k=k, max_batch=len(prompts), max_len=cache_len or need,
-                          compile=recorder or backend, mode=mode, fused_round=fused_round)
-        _built[key] = (decoder, recorder)
-    _built.move_to_end(key)
-    decoder, recorder = _built[key]
+        return Decoder(HFTarget(model), drafter, k=k, max_batch=len(prompts), max_len=cache_len or need,
+                       compile=recorder or backend, mode=mode, fused_round=fused_round), recorder
+
+    cache = decoder_cache if decoder_cache is not None else generate.cache
+    key = (id(model), id(assistant_model), k, len(prompts), cache_len or need, compile, mode, fused_round)
+    decoder, recorder, _ = cache._get(key, (model, assistant_model), build)
 
     out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)
     width = max(map(len, out.tokens))
@@ -107,6 +155,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     if not return_dict_in_generate:
         return sequences
     return GenerateOutput(sequences, out.metrics, dict(recorder.fired) if recorder is not None else {})
+
+
+generate.cache = DecoderCache(keep=4)
 
 
 def _prompts(input_ids: Tensor, attention_mask: Tensor | None) -> list[list[int]]:

@@ -1,0 +1,43 @@
+"""The speculative-decoding loop, one job per module (docs/loop.md):
+
+    protocols.py  Target, Drafter, ParallelDrafter: what the loop asks of its models
+    steps.py      the pure, traceable steps every round shape shares (verify, judge, accept, ...)
+    shapes.py     RoundShape, and round_shape(drafter): which shape a drafter's rounds take
+    plain.py      PLAIN: no drafter, the target's own decoding
+    chain.py      CHAIN: a Drafter's round, K-1 draft steps and a catch-up
+    parallel.py   PARALLEL: a ParallelDrafter's round, one draft forward
+    cost.py       the choice of K: price, choose_k, next_k_to_time, KChoice
+    runtime.py    compiling and running the steps: own code objects, guards, CUDA-graph clones, timers
+    checks.py     what Decoder is given, checked
+    driver.py     Decoder: binds, compiles, prefills, loops
+"""
+
+from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, price
+from specpass.loop.driver import Decoder, Metrics, Output, Run
+from specpass.loop.protocols import Drafter, ParallelDrafter, Target
+from specpass.loop.runtime import COMPILERS
+from specpass.loop.shapes import RoundShape, cache_slots, round_shape
+from specpass.loop.steps import Carry, Proposal, State, Steps
+
+__all__ = [
+    "COMPILERS",
+    "Carry",
+    "Decoder",
+    "Drafter",
+    "KChoice",
+    "Metrics",
+    "Output",
+    "ParallelDrafter",
+    "Proposal",
+    "RoundShape",
+    "Run",
+    "State",
+    "Steps",
+    "Target",
+    "cache_slots",
+    "choose_k",
+    "expected_accept_length",
+    "next_k_to_time",
+    "price",
+    "round_shape",
+]

@@ -1,0 +1,168 @@
+"""`Decoder`'s checks of what it is given: each problem named, with what to do, before anything
+is compiled or run."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from specpass.loop.protocols import Target, require
+from specpass.loop.runtime import COMPILERS
+from specpass.loop.shapes import RoundShape, round_shape
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_models(target: Any, drafter: Any) -> RoundShape:
+    """The target and the drafter have the members the loop calls -> the drafter's round shape."""
+    require(target, "target", Target, optional=("forward_with_hidden",))
+    shape = round_shape(drafter)
+    if drafter is not None and drafter.hidden_kind is not None:
+        require(target, "target", Target)  # the drafter reads the target's hidden states
+    return shape
+
+
+def check_k(drafter: Any, k: Any) -> None:
+    if drafter is None and k != 0:
+        raise ValueError(f"plain decoding (drafter=None) drafts nothing: K is 0, got {k!r}")
+    if drafter is not None and (not is_int(k) or k < 1):
+        raise ValueError(f"k (draft tokens per round) must be an int >= 1, got {k!r}; "
+                         "for plain decoding pass drafter=None")
+
+
+def check_options(max_batch: Any, max_len: Any, compile: Any, compile_prefill: Any, skip_guards: Any) -> None:
+    for name, value in (("max_batch", max_batch), ("max_len", max_len)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1 (a static cache size), got {value!r}")
+    if not (compile in COMPILERS if isinstance(compile, str) else callable(compile)):
+        raise ValueError(f"compile must be one of {list(COMPILERS)} or a backend callable, got {compile!r}")
+    for name, value in (("compile_prefill", compile_prefill), ("skip_guards", skip_guards)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def device_of(target: Target) -> torch.device:
+    parameter = next(iter(target.parameters()), None)
+    if parameter is None:
+        raise ValueError("the target has no parameters: the loop puts its state on the device of the target's")
+    return parameter.device
+
+
+@torch.no_grad()
+def probe(target: Target, drafter: Any, max_batch: int, device: torch.device) -> int:
+    """One token through the target and the drafter before anything is compiled, so that models
+    which do not fit fail here, named, not inside a kernel mid-decoding (on a GPU an id out of
+    range is a device-side assert). Writes cache slots 0 and 1, which every prefill overwrites.
+    -> the target's vocabulary size."""
+    zeros = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
+    kind = drafter.hidden_kind if drafter is not None else None
+    if kind is None:
+        logits, hidden = target(zeros, zeros), None
+    else:
+        logits, hidden = target.forward_with_hidden(zeros, zeros, kind)
+    V = logits.shape[-1]
+    if drafter is None:
+        return V
+    try:
+        draft_logits, _ = drafter.catch_up(zeros, zeros + 1, hidden, zeros[:, 0])
+    except Exception as exc:  # a shape mismatch somewhere inside the drafter
+        reads = f"the target's {kind!r} hidden states {list(hidden.shape)}" if kind else "one token"
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        sizes = " (its hidden sizes, e.g. EAGLE-3's target_hidden_size, must match the target's)" if kind else ""
+        raise ValueError(f"the drafter does not fit the target: its catch_up fails on {reads} "
+                         f"({type(exc).__name__}: {reason}). Use a drafter made for this target{sizes}") from exc
+    ids = drafter.to_target(torch.arange(draft_logits.shape[-1], device=device))
+    if not torch.equal(ids.clamp(0, V - 1), ids):  # not .all().item(): tests count .item() as host syncs
+        outside = ids[(ids < 0) | (ids >= V)]
+        raise ValueError(f"the drafter's vocabulary does not fit the target's: to_target maps {len(outside)} of its "
+                         f"{len(ids)} ids outside the target's {V} (e.g. {outside[:3].tolist()}); use a drafter "
+                         "made for this target")
+    embeddings = getattr(drafter, "get_input_embeddings", None)
+    rows = embeddings().num_embeddings if embeddings is not None else V
+    if rows < V:
+        raise ValueError(f"the drafter embeds {rows} token ids but the target's vocabulary has {V}: it reads "
+                         "every token the target emits; use a drafter made for this target")
+    return V
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], limits: list[int], vocab_size: int, max_batch: int,
+                  max_len: int, k: int, slots: Callable[[int, int, int], int]) -> list[list[int]]:
+    """Each problem named, with what to do -> the prompts as lists of ints. slots: the round
+    shape's `cache_slots`."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts: pass a list of prompts, each a list of token ids")
+    if len(prompts) > max_batch:
+        raise ValueError(f"{len(prompts)} prompts but max_batch is {max_batch}: raise max_batch "
+                         f"or generate in batches of {max_batch}")
+    checked = []
+    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+        if isinstance(prompt, (str, bytes)):
+            raise TypeError(f"prompt {i} is a {type(prompt).__name__}: encode the text to token ids first")
+        ids = list(prompt)
+        if not ids:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token (e.g. BOS)")
+        # Plain ints in range: three passes in C (a Python loop per token took 34 ms at 64 x 450 tokens).
+        if not (all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < vocab_size):
+            for j, t in enumerate(ids):
+                if not is_int(t) or not 0 <= t < vocab_size:
+                    raise ValueError(f"prompt {i} holds {t!r} at index {j}, not a token id of the target's "
+                                     f"vocabulary (ints 0..{vocab_size - 1}): encode it with the target's "
+                                     "tokenizer")
+            ids = [int(t) for t in ids]  # other integer types (numpy's)
+        need = slots(len(ids), limit, k)
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens but max_len is {max_len}: raise max_len "
+                             f"(to {need} for max_new_tokens {limit}) or shorten the prompt")
+        if need > max_len:
+            raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_new_tokens {limit} needs {need} cache "
+                             f"slots at K {k} (`cache_slots`), but max_len is {max_len}: raise max_len "
+                             f"to {need}, or lower max_new_tokens or shorten the prompt")
+        checked.append(ids)
+    return checked
+
+
+def check_position(position: Any, prompts: list[list[int]], limits: list[int], max_len: int, k: int,
+                   slots: Callable[[int, int, int], int]) -> None:
+    """`Decoder.start(position=...)`: an int at or past every prompt's end, from which every request
+    still fits the caches."""
+    if not is_int(position) or position < 1:
+        raise ValueError(f"position must be an int >= 1 (where every request continues after the prefill), "
+                         f"got {position!r}")
+    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+        if position < len(prompt):
+            raise ValueError(f"position {position} is inside prompt {i} ({len(prompt)} tokens): it moves requests "
+                             f"forward, past their prompts; pass {len(prompt)} or more")
+        need = slots(position, limit, k)
+        if need > max_len:
+            raise ValueError(f"position {position} + max_new_tokens {limit} (request {i}) needs {need} cache slots at "
+                             f"K {k} (`cache_slots`), but max_len is {max_len}: raise max_len to {need}, or lower "
+                             "position or max_new_tokens")
+
+
+def check_tuning(ks: Sequence[Any], acceptance: Sequence[Any] | None, new_tokens: Any, repeats: Any,
+                 max_timings: Any) -> list[int]:
+    """`Decoder.tune_k`'s arguments -> the K to time, sorted."""
+    timed = sorted(set(ks)) if all(is_int(k) and k >= 1 for k in ks) else []
+    if len(timed) < 2:
+        raise ValueError(f"ks must hold two or more different K >= 1 to time (a line through their costs), "
+                         f"got {list(ks)!r}")
+    if acceptance is not None and (len(acceptance) == 0 or not all(
+            isinstance(a, numbers.Real) and 0 <= a <= 1 for a in acceptance)):
+        raise ValueError(f"acceptance must list, per draft position 1..N, the fraction of request-rounds "
+                         f"accepting it (Metrics.acceptance: floats in [0, 1]), got {acceptance!r}")
+    check_timing(*new_tokens, repeats)
+    if not is_int(max_timings) or max_timings < 0:
+        raise ValueError(f"max_timings (K timed by the search beyond ks) must be an int >= 0, got {max_timings!r}")
+    return timed
+
+
+def check_timing(short: Any, long: Any, repeats: Any) -> None:
+    """The new tokens of the short and the long generate a round is timed by, and the repeats."""
+    if not (is_int(short) and is_int(long) and 1 <= short < long) or not is_int(repeats) or repeats < 1:
+        raise ValueError(f"the new tokens of the two generates timed must be ints short, long with 1 <= short < long "
+                         f"and repeats an int >= 1, got {short!r}, {long!r}, {repeats!r}")

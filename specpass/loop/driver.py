@@ -1,0 +1,386 @@
+"""`Decoder`: batched speculative decoding, greedy or sampled, K draft tokens per round.
+
+    dec = Decoder(target, drafter, k=4, max_batch=len(prompts), max_len=256)
+    out = dec.generate(prompts, max_new_tokens=64, eos_id=2)   # out.tokens, out.metrics
+    out = dec.generate(prompts, 64, temperature=0.6, top_p=0.95, seed=0)   # speculative sampling
+    plain = Decoder(target, None, max_batch=..., max_len=...)  # the target's own decoding
+    dec.tune_k(prompts, (2, 6), acceptance=out.metrics.acceptance)  # K for this batch size, timed; then used
+
+The driver binds the models to the round shape the drafter gets (shapes.py), compiles the steps
+(steps.py) — one graph each, or the whole round as one graph, from the same functions — and the
+prefill (one graph for every prompt length), prefills, and loops. KV caches are addressed by
+position (rejected slots are masked, then overwritten; nothing is copied), finished requests keep
+running in the batch and emit nothing, and the only host sync per round reads one flag, all done?
+(on a GPU the previous round's, so the device never waits for the host). See docs/loop.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from specpass.loop import runtime
+from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts, check_timing,
+                                  check_tuning, device_of, is_int, probe)
+from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, price
+from specpass.loop.protocols import Drafter, Target
+from specpass.loop.runtime import DoneFlags, PhaseTimer, clock, compiler, replayed
+from specpass.loop.steps import Carry, State, Steps, carried, decode_round, prefill_step
+from specpass.sampling import Params, per_request
+
+
+@dataclasses.dataclass
+class Metrics:
+    new_tokens: int
+    rounds: int  # decoding rounds (steps, for plain decoding)
+    seconds: float  # prefill + rounds, wall clock
+    prefill_seconds: float
+    accept_length: float  # tokens per round per active request: accepted drafts + the bonus token
+    acceptance: list[float]  # per draft position 1..K: the fraction of active request-rounds accepting it
+    phase_ms: dict[str, float]  # mean ms per round: "round"; with timing=True (steps apart) also each step
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def __str__(self) -> str:
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in self.phase_ms.items())
+        acceptance = " ".join(f"{p:.2f}" for p in self.acceptance) or "-"
+        return (f"{self.new_tokens} tokens in {self.rounds} rounds, {self.seconds:.2f} s "
+                f"({self.tokens_per_s:.1f} tokens/s); mean accepted length {self.accept_length:.2f}; "
+                f"acceptance per draft position {acceptance}; ms per round: {phases}")
+
+
+@dataclasses.dataclass
+class Output:
+    tokens: list[list[int]]  # per prompt, the generated tokens (EOS included when hit)
+    metrics: Metrics
+
+
+class Run(NamedTuple):
+    """A decoding in progress (`Decoder.start`, `Decoder.rounds`), on the device: request b's
+    tokens so far are state.out[b, :state.count[b]]."""
+
+    state: State
+    carry: Carry  # what the last catch-up handed the next round
+    params: Params | None  # sampling parameters; None: greedy
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """One K's steps, bound and compiled (lazily, on their first call), kept for `use_k`."""
+
+    steps: Steps  # the round shape's functions with the models and K bound (what specpass.explain reads)
+    apart: Steps | None  # their compiled forms, one graph each; None when the round is fused
+    round: Callable[[State, Carry, Params | None], tuple[State, Carry, Tensor]]  # one round, as the loop calls it
+    prefill: Callable[[Tensor, Tensor, Params | None], tuple[Tensor, Carry]]  # `prefill_step`, compiled
+
+
+class Decoder:
+    """Decoding of `target`, greedy or sampled, speculative when `drafter` is given (a `Drafter`,
+    or a `ParallelDrafter`: its round shape is decided once, from the Protocol it satisfies).
+
+    compile: "specpass" (default), "inductor", "eager" (no torch.compile), or a backend callable
+      (e.g. `specpass.backend(handoff="eager")`). Every step is compiled with static shapes; the
+      prefill (`steps.prefill_step`) once, with the prompt length symbolic, in the default mode.
+    mode: torch.compile's mode; "reduce-overhead" gives CUDA graphs (one per compiled graph).
+    fused_round: compile the whole round as one graph (one CUDA graph replay per round) instead
+      of one graph per step (draft, verify, accept, catch-up).
+    greedy_drafts: when sampling, draft the arg-max (q one-hot, vLLM's default) instead of drawing
+      drafts from the draft's distribution; the output distribution is the same either way.
+    max_batch, max_len: the static cache shapes; `generate` pads the batch with idle rows.
+    compile_prefill: False runs the prefill uncompiled (a benchmark of the rounds alone skips its
+      compile, about a minute at 8B shape).
+    skip_guards: rounds 3 on of a call run without Dynamo's guard evaluation (`runtime.skip_guards`);
+      False keeps every guard (what that saves, measured). An attribute too: `dec.skip_guards = False`.
+
+    Decoding, and its parts for benchmarks (every one the same code `generate` runs):
+      dec.generate(prompts, max_new_tokens, ...) -> Output     the whole loop, metrics included
+      dec.k; dec.use_k(k)          the drafts per round; decode with K from now on (compiled once per K, kept)
+      run = dec.start(prompts, max_new_tokens, eos_id, *, temperature, top_k, top_p, seed, position=None)
+                                   the checks and the prefill -> a `Run`; position: then move every
+                                   request there (a benchmark of long contexts without their prefill)
+      run = dec.rounds(run, n)     n rounds, no host sync, as generate runs them
+      dec.clock()                  seconds, once the device has finished what was queued
+      ms, acceptance = dec.round_ms(prompts, short, long, repeats)   the current K's ms per round
+      dec.tune_k(prompts, ks, ..., on_timed=None)   choose K by timing it (`KChoice`); on_timed(k, ms) per K timed
+      dec.steps                    the current K's steps, uncompiled (`specpass.explain(dec.steps.catch_up, ...)`)
+    """
+
+    def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int = 4, max_batch: int,
+                 max_len: int, compile: str | Callable = "specpass", mode: str | None = None,
+                 fused_round: bool = False, greedy_drafts: bool = False, compile_prefill: bool = True,
+                 skip_guards: bool = True):
+        self._shape = check_models(target, drafter)
+        check_k(drafter, k if drafter is not None else 0)  # before any cache is allocated (`use_k` below)
+        check_options(max_batch, max_len, compile, compile_prefill, skip_guards)
+        self.target, self.drafter = target, drafter
+        self.max_batch, self.max_len = max_batch, max_len
+        self.device = device_of(target)
+        self.cudagraphs = mode == "reduce-overhead" and compile != "eager"
+        self.fused_round = fused_round
+        self.greedy_drafts = greedy_drafts
+        self.skip_guards = skip_guards
+        target.setup_caches(max_batch, max_len)
+        if drafter is not None:
+            drafter.setup_caches(max_batch, max_len)
+        self.vocab_size = probe(target, drafter, max_batch, self.device)
+        self._hidden_kind = drafter.hidden_kind if drafter is not None else None
+        self._wrap = compiler(compile, mode)
+        self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, dynamic=None)
+        self._bound: dict[int, Bound] = {}  # K -> its steps and compiled forms (`use_k` switches K)
+        self.use_k(k if drafter is not None else 0)
+
+    @property
+    def k(self) -> int:
+        """Draft tokens per round (0: plain decoding)."""
+        return self._k
+
+    @property
+    def steps(self) -> Steps:
+        """The current K's steps with the models bound, uncompiled: what `specpass.explain` reads."""
+        return self._bound[self._k].steps
+
+    def use_k(self, k: int) -> None:
+        """Decode with K drafts per round from now on: the steps with K bound, compiled (lazily) once
+        per K and kept, so switching back compiles nothing."""
+        check_k(self.drafter, k)
+        if k not in self._bound:
+            self._bound[k] = self._bind(k)
+        self._k = k
+
+    def _bind(self, k: int) -> Bound:
+        sampled = not self.greedy_drafts
+        steps = self._shape.bind(self.target, self.drafter, k, sampled)
+        if self.fused_round:
+            apart, run_round = None, self._wrap(functools.partial(decode_round, steps), "decode_round")
+        else:  # `carried` moves nothing: no graph
+            apart = Steps(*(s if s is None or s is carried else self._wrap(s, name)
+                            for name, s in zip(Steps._fields, steps)))
+            run_round = functools.partial(decode_round, apart)
+        # Prompt lengths vary: one graph with a symbolic length, no CUDA graphs (one would be
+        # recorded per length, for one call of large kernels per generate).
+        # A shape whose prefill does not read K (the chain's) compiles it once for every K.
+        shared = not self._shape.prefill_reads_k and next(iter(self._bound.values()), None)
+        prefill = shared.prefill if shared else self._wrap_prefill(functools.partial(
+            prefill_step, self.target, self._hidden_kind, self._shape.prefill_catch_up(self.drafter, k, sampled)),
+            "prefill")
+        return Bound(steps, apart, replayed(run_round) if self.cudagraphs else run_round, prefill)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                 eos_id: int | Sequence[int] | None = None, timing: bool = False, *,
+                 temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] | None = None,
+                 top_p: float | Sequence[float] | None = None, seed: int | Sequence[int] | None = None) -> Output:
+        """Decode each prompt; per-request `max_new_tokens`, `eos_id` and sampling parameters (a
+        value for all or one per prompt).
+
+        temperature: 0 (default) is greedy decoding; > 0 samples from softmax(logits / temperature),
+          cut to the `top_k` largest logits (0: off) and then to the smallest set of mass `top_p`
+          (1: off), as plain sampling from the target would (specpass/sampling.py). Speculative
+          sampling keeps that distribution exactly. seed: one int (each request gets its own
+          stream of it) or one per request; the same seeds give the same tokens. None: a fresh one.
+        timing=True also splits the round time into its steps (steps compiled apart): CUDA events
+        (the host clock on CPU) after each step, read once at the end, so no sync is added.
+        """
+        B = len(prompts)
+        prompts, limits, eos, params = self._request(prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed)
+        start = self.clock()
+        run = self._prefill(prompts, limits, eos, params)
+        prefill_end = self.clock()
+
+        timer = PhaseTimer(self.device) if timing and not self.fused_round else None
+        run_round = self._bound[self._k].round if timer is None else self._timed_round(timer)
+        rounds, flags, state = 0, DoneFlags(self.device), run.state
+        with contextlib.closing(self._replay(run_round, run)) as replay:
+            for state, _, finished in replay:
+                rounds += 1
+                if flags.push(finished):  # the round's one host sync
+                    rounds -= flags.lag  # a round run after all were done emitted nothing
+                    break
+        end = self.clock()
+
+        out, count, stats = state.out.tolist(), state.count.tolist(), state.stats.tolist()
+        active = max(stats[0], 1)
+        phases = {k: 1e3 * v / rounds for k, v in (timer.totals() if timer else {}).items()}
+        metrics = Metrics(
+            new_tokens=sum(count), rounds=rounds, seconds=end - start, prefill_seconds=prefill_end - start,
+            accept_length=1 + sum(stats[1:]) / active, acceptance=[s / active for s in stats[1:]],
+            phase_ms={"round": 1e3 * (end - prefill_end) / rounds, **phases})
+        return Output([row[:n] for row, n in zip(out[:B], count[:B])], metrics)
+
+    @torch.no_grad()
+    def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+              eos_id: int | Sequence[int] | None = None, *, temperature: float | Sequence[float] = 0.0,
+              top_k: int | Sequence[int] | None = None, top_p: float | Sequence[float] | None = None,
+              seed: int | Sequence[int] | None = None, position: int | None = None) -> Run:
+        """The checks and the prefill of `generate` (the same arguments) -> the first round's `Run`;
+        each request has emitted its first token.
+
+        position: then move every request to that position, as if its prompt ended there (the cache
+          slots below hold whatever the prefill left: a round's time does not depend on them, its
+          shapes are static): what a benchmark of long contexts runs when the real prefill's logits
+          would not fit. Every request must still fit max_len from there.
+        """
+        prompts, limits, eos, params = self._request(prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed)
+        if position is not None:
+            check_position(position, prompts, limits, self.max_len, self._k, self._shape.cache_slots)
+        run = self._prefill(prompts, limits, eos, params)
+        if position is None:
+            return run
+        return run._replace(state=run.state._replace(pos=torch.full_like(run.state.pos, position)))
+
+    @torch.no_grad()
+    def rounds(self, run: Run, n: int) -> Run:
+        """n rounds of `run` as `generate` runs them (CUDA graphs' bookkeeping; rounds 3 on of the
+        call without guard evaluation), with no host sync: the device may still be running them on
+        return (`clock` waits). Requests that finish stay in the batch and emit nothing."""
+        if not is_int(n) or n < 0:
+            raise ValueError(f"n (rounds to run) must be an int >= 0, got {n!r}")
+        started = run.state.stats.shape[0] - 1
+        if started != self._k:
+            raise ValueError(f"the run was started at K {started} and the decoder is at K {self._k}: "
+                             f"call use_k({started}) first, or start a new run")
+        state, carry = run.state, run.carry
+        with contextlib.closing(self._replay(self._bound[self._k].round, run)) as replay:
+            for _, (state, carry, _) in zip(range(n), replay):
+                pass
+        return Run(state, carry, run.params)
+
+    def clock(self) -> float:
+        """Seconds (time.perf_counter), after the device has finished what was queued."""
+        return clock(self.device)
+
+    def round_ms(self, prompts: Sequence[Sequence[int]], short: int, long: int,
+                 repeats: int = 3) -> tuple[float, list[float]]:
+        """The current K's ms per round on `prompts` (greedy; the batch padded to max_batch as
+        `generate` pads it): the loop time of a `long`-token generate less a `short` one over the
+        rounds between, median of `repeats` (one generate first compiles; on a GPU, records the
+        CUDA graphs), so the prefill and compiling cancel -> (ms, the acceptance per draft position
+        of the last long generate)."""
+        check_timing(short, long, repeats)
+        self.generate(prompts, short)  # compiles; on a GPU, records the CUDA graphs
+        samples = []
+        for _ in range(repeats):
+            a, b = (self.generate(prompts, n).metrics for n in (short, long))
+            samples.append((b.seconds - b.prefill_seconds - a.seconds + a.prefill_seconds) / (b.rounds - a.rounds))
+        return 1e3 * statistics.median(samples), b.acceptance
+
+    def tune_k(self, prompts: Sequence[Sequence[int]], ks: Sequence[int] = (2, 6), *,
+               acceptance: Sequence[float] | None = None, new_tokens: tuple[int, int] = (8, 40),
+               repeats: int = 3, max_timings: int = 4,
+               on_timed: Callable[[int, float], None] | None = None) -> KChoice:
+        """Choose K for this batch size from measured costs, then decode with it (`choose_k`).
+
+        Each K in `ks` is compiled (and kept: switching back costs nothing) and its ms per round
+        timed on `prompts` (`round_ms` with `new_tokens` = (short, long) and `repeats`); a round's
+        shapes are static: its time does not depend on what is accepted. acceptance: per draft
+        position 1..N (`Metrics.acceptance` of a run at K >= N, e.g. on the traffic this decoder
+        serves); None measures it on `prompts` at the largest K timed (chain drafting: one run at
+        the largest K gives every smaller K's). The candidates are K = 1..N whose caches fit the
+        prompts and `new_tokens[1]`, priced by `price`. Then a local search: while the best-priced K
+        or a neighbour K +- 1 is untimed, time the one `next_k_to_time` names and price again, at
+        most `max_timings` times; so the chosen K is measured, and better than its measured
+        neighbours. on_timed(k, ms) is called after each K is timed.
+        """
+        if self.drafter is None:
+            raise ValueError("plain decoding (drafter=None) drafts nothing: there is no K to tune")
+        timed = check_tuning(ks, acceptance, new_tokens, repeats, max_timings)
+        short, long = new_tokens
+        for k in timed:  # every K fits the caches, checked before anything compiles
+            try:
+                self._check_prompts(prompts, [long] * len(prompts), k)
+            except ValueError as exc:
+                raise ValueError(f"tuning at K = {k}: {exc}") from None
+        longest = max(len(p) for p in prompts)
+        fits = lambda k: self._shape.cache_slots(longest, long, k) <= self.max_len  # noqa: E731
+
+        def time_k(k: int) -> tuple[float, list[float]]:
+            self.use_k(k)
+            ms, measured = self.round_ms(prompts, short, long, repeats)
+            if on_timed is not None:
+                on_timed(k, ms)
+            return ms, measured
+
+        round_ms, why, measured = {}, {}, []
+        for k in timed:
+            round_ms[k], measured = time_k(k)
+            why[k] = "given"
+        acceptance = list(measured if acceptance is None else acceptance)
+        candidates = acceptance[:next((k - 1 for k in range(1, len(acceptance) + 1) if not fits(k)), None)]
+        while (k := next_k_to_time(round_ms, candidates)) is not None and len(why) < len(timed) + max_timings:
+            best = choose_k(round_ms, candidates)
+            why[k] = "priced best" if k == best else f"neighbour of K {best}, priced best"
+            round_ms[k], _ = time_k(k)
+        chosen = choose_k(round_ms, candidates)
+        self.use_k(chosen)
+        rates = {k: expected_accept_length(acceptance[:k]) / ms for k, ms in price(round_ms, len(candidates)).items()}
+        return KChoice(chosen, round_ms, acceptance, rates, why, verified=k is None)
+
+    # --- the loop's parts
+
+    def _request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                 eos_id: int | Sequence[int] | None, temperature: Any, top_k: Any, top_p: Any,
+                 seed: Any) -> tuple[list[list[int]], list[int], list[int], Params | None]:
+        """generate's arguments checked -> (prompts, budgets, EOS ids, sampling parameters or None)."""
+        B = len(prompts)
+        limits = per_request(max_new_tokens, B, "max_new_tokens", int, lambda v: v >= 1, ">= 1")
+        eos = per_request(-1 if eos_id is None else eos_id, B, "eos_id", int, lambda v: v >= -1, ">= -1")  # -1: none
+        params = Params.make(B, self.max_batch, self.device, temperature, top_k, top_p, seed)  # None: greedy
+        return self._check_prompts(prompts, limits, self._k), limits, eos, params
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], limits: list[int], k: int) -> list[list[int]]:
+        return check_prompts(prompts, limits, self.vocab_size, self.max_batch, self.max_len, k,
+                             self._shape.cache_slots)
+
+    def _prefill(self, prompts: list[list[int]], limits: list[int], eos: list[int], params: Params | None) -> Run:
+        """The prompts, right-padded into max_batch rows, through the compiled prefill; emits each
+        request's first token. -> the first round's run."""
+        B, device = self.max_batch, self.device
+        # Two columns or more: one would specialize the compiled prefill to a single column (Dynamo's size-1 rule).
+        P = max(2, *(len(p) for p in prompts))
+        idle = B - len(prompts)  # padding rows: a one-token prompt, no budget, done from the start
+        lengths = torch.tensor([len(p) for p in prompts] + [1] * idle, device=device)
+        tokens = torch.zeros(B, P + 1, dtype=torch.long, device=device)  # [B, P+1]: prompt, then x_n
+        tokens[: len(prompts), :P] = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], device=device)
+        torch._dynamo.maybe_mark_dynamic(tokens, 1)  # one graph for every prompt length
+        first, carry = self._bound[self._k].prefill(tokens, lengths, params)
+
+        limit = torch.tensor(limits + [0] * idle, device=device)
+        eos_t = torch.tensor(eos + [-1] * idle, device=device)
+        out = torch.zeros(B, self.max_len, dtype=torch.long, device=device)  # wider than any budget + K + 1
+        out[:, 0] = first
+        count = (limit > 0).long()
+        state = State(last=first, pos=lengths, out=out, count=count, limit=limit, eos=eos_t,
+                      done=(count >= limit) | (first == eos_t),
+                      stats=torch.zeros(self._k + 1, dtype=torch.long, device=device))
+        return Run(state, carry, params)
+
+    def _timed_round(self, timer: PhaseTimer) -> Callable[[State, Carry, Params | None], tuple[State, Carry, Tensor]]:
+        """The round with its steps apart, a timer mark after each step and before the round."""
+        steps = Steps(*(timer.timed(name, step) for name, step in zip(Steps._fields, self._bound[self._k].apart)))
+
+        def run_round(state: State, carry: Carry, params: Params | None) -> tuple[State, Carry, Tensor]:
+            timer.mark("between")
+            return decode_round(steps, state, carry, params)
+
+        return replayed(run_round) if self.cudagraphs else run_round
+
+    def _replay(self, run_round: Callable, run: Run) -> Iterator[tuple[State, Carry, Tensor]]:
+        """Rounds from `run`, one per step of the iteration: (state, carry, all done). Rounds 3 on
+        run without guard evaluation (`runtime.skip_guards`), which ends with the iteration."""
+        state, carry, params = run
+        with contextlib.ExitStack() as unguarded:
+            for number in itertools.count(1):
+                state, carry, finished = run_round(state, carry, params)
+                yield state, carry, finished
+                if number == 2 and self.skip_guards:
+                    unguarded.enter_context(runtime.skip_guards())

@@ -1,0 +1,94 @@
+"""What the loop asks of its models: `Target`, `Drafter`, `ParallelDrafter`.
+
+specpass does not import the model zoo: a target and a drafter are anything with these members
+(the zoo's adapters are in models/drafters.py, transformers' in specpass/hf/adapters.py). The
+Protocols are runtime-checkable (`isinstance`); which one a drafter satisfies (has every member of,
+`missing`) decides its round shape, once (`specpass.loop.shapes.round_shape`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+
+@runtime_checkable
+class Target(Protocol):
+    """The verified model: a module with static KV caches addressed by per-request position."""
+
+    def parameters(self) -> Any: ...
+
+    def setup_caches(self, max_batch: int, max_len: int) -> None: ...
+
+    def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        """tokens, positions [B, T] -> logits [B, T, V]."""
+
+    def forward_with_hidden(self, tokens: Tensor, positions: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+        """-> (logits [B, T, V], the hidden states a drafter reads, [B, T, Hh]) for `Drafter.hidden_kind`.
+        Needed only when the drafter reads them (its hidden_kind is not None)."""
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A draft model. Row t of a catch-up holds the token at position p+t and, when the drafter
+    reads the target's states (`hidden_kind` is not None), the target's hidden state at p+t-1."""
+
+    hidden_kind: str | None  # the `kind` passed to Target.forward_with_hidden; None: no hidden
+
+    def setup_caches(self, max_batch: int, max_len: int) -> None: ...
+
+    def catch_up(self, tokens: Tensor, positions: Tensor, hidden: Tensor | None,
+                 live: Tensor) -> tuple[Tensor, Tensor]:
+        """[B, T] tokens and positions, [B, T, Hh] hidden, [B] live row -> (logits [B, Vd], hidden [B, Hd])
+        of row live[b]; every row's K/V is written."""
+
+    def draft_step(self, tokens: Tensor, positions: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """[B] token, [B] position, [B, Hd] the previous step's hidden -> (logits [B, Vd], hidden [B, Hd])."""
+
+    def to_target(self, ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids (identity when the vocabularies are the same)."""
+
+    # Optional: `get_input_embeddings() -> nn.Embedding`, the embedding the drafter reads target ids
+    # with; `Decoder` then checks up front that it takes every id of the target's vocabulary.
+
+
+@runtime_checkable
+class ParallelDrafter(Drafter, Protocol):
+    """A drafter that makes all K drafts in one forward (P-EAGLE, PARD): its round is verify +
+    one draft forward, no draft steps (specpass/loop/parallel.py)."""
+
+    def draft_parallel(self, tokens: Tensor, positions: Tensor, hidden: Tensor | None, live: Tensor,
+                       k: int) -> Tensor:
+        """[B, T] tokens and contiguous positions, [B, T, Hh] hidden, [B] live row -> logits [B, k, Vd]:
+        row j predicts the token at positions[b, live[b]] + 1 + j. Rows after live[b] are the
+        drafter's own (mask slots, padding); every row's K/V is written."""
+
+
+@functools.cache
+def members(protocol: type) -> tuple[str, ...]:
+    """The names a Protocol asks for, in the order written, its bases' first: annotated attributes,
+    then methods."""
+    found: list[str] = []
+    for cls in reversed(protocol.__mro__):
+        if Protocol not in cls.__bases__:  # object, Protocol, Generic: not a protocol written here
+            continue
+        methods = [name for name, value in vars(cls).items()
+                   if callable(value) and (not name.startswith("_") or name == "__call__")]
+        found += [name for name in [*inspect.get_annotations(cls), *methods] if name not in found]
+    return tuple(found)
+
+
+def missing(model: Any, protocol: type, optional: tuple[str, ...] = ()) -> list[str]:
+    """The members of `protocol` that `model` lacks, but `optional`."""
+    return [name for name in members(protocol) if name not in optional and not hasattr(model, name)]
+
+
+def require(model: Any, role: str, protocol: type, optional: tuple[str, ...] = ()) -> None:
+    """Refuse a model that lacks members of `protocol` (but `optional`), naming them."""
+    lacks = missing(model, protocol, optional)
+    if lacks:
+        raise TypeError(f"the {role} ({type(model).__name__}) lacks {lacks}: a {role} needs the members of "
+                        f"specpass.{protocol.__name__}")
