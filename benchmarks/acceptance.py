@@ -23,7 +23,7 @@ from models.checkpoint import load
 from models.drafters import KINDS, load_drafter
 from models.llama import Llama
 from models.text import encode, load_prompts
-from specpass.speculative import Decoder, cache_slots
+from specpass.loop import Decoder, cache_slots
 
 
 @dataclasses.dataclass(kw_only=True)

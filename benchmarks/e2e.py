@@ -126,7 +126,7 @@ class Bench:
         is reused (its compiled graphs too), so "compile s" is then the new graph's alone."""
         import copy
 
-        from specpass.speculative import Decoder, cache_slots
+        from specpass.loop import Decoder, cache_slots
 
         new, k_max = self.args.new_tokens, max(v[4] for v in variants)
         max_len = cache_slots(max(map(len, prompts)), new, k_max, parallel=True)  # enough for every drafter

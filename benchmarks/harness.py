@@ -28,11 +28,10 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from specpass import speculative  # TODO(loop API): the loop's internals below; specpass.loop replaces it
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: checkpoints/, docs/
 
@@ -133,18 +132,6 @@ def leaves(tree: Any) -> list[Any]:
     from torch.utils._pytree import tree_leaves  # torch has no public pytree module
 
     return tree_leaves(tree)
-
-
-def guard_check(compiled: Callable, *args: Any) -> Callable[[], bool]:
-    """One evaluation of the Dynamo guards of `compiled`'s one graph on these arguments.
-    `compiled` is a step that specpass compiled under a code object of its own (`step(*args)`
-    calling the `fn` in its closure)."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # no public access to a frame's guards
-
-    step = compiled._torchdynamo_orig_callable  # the function torch.compile wrapped
-    (entry,) = _debug_get_cache_entry_list(step.__code__)
-    frame = {"args": args, "fn": step.__closure__[0].cell_contents}  # the frame's locals that guards read
-    return lambda: entry.guard_manager.check(frame)
 
 
 def efficient_attention_lse(q, k, v, bias, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,78 +248,3 @@ def exclusive(lock: Path | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-# --- the loop's internals. TODO(loop API): each function below becomes the Decoder's public
-# method named in its docstring when specpass.loop lands; swap them here, then inline the calls.
-
-
-class Run(NamedTuple):
-    """A decoding in progress: the loop's state and carry, and the sampling parameters (None: greedy)."""
-
-    state: Any
-    carry: Any
-    params: Any
-
-
-def start(dec, prompts: Sequence[Sequence[int]], max_new_tokens: int, position: int | None = None) -> Run:
-    """The prefill as `generate` runs it (greedy, no EOS) -> the first round's inputs. `position`:
-    every request moved there after the prefill (the slots below hold what the prefill left: a
-    round's time does not depend on them, its shapes are static).
-    TODO(loop API): `dec.start(prompts, max_new_tokens, position=position)`."""
-    bs = len(prompts)
-    state, carry = speculative.prefill(dec.prefill_step, prompts, [max_new_tokens] * bs, [-1] * bs, None, dec.k, dec.max_batch,
-                           dec.max_len, dec.device)
-    if position is not None:
-        state = state._replace(pos=torch.full_like(state.pos, position))
-    return Run(state, carry, None)
-
-
-def rounds(dec, run: Run, n: int) -> Run:
-    """n rounds as `generate` runs them (CUDA-graph bookkeeping included), no host sync.
-    TODO(loop API): `dec.rounds(run, n)`."""
-    state, carry = run.state, run.carry
-    for _ in range(n):
-        if dec.cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        state, carry, _ = dec._round(state, carry, run.params)
-        if dec.cudagraphs:  # the next replay overwrites this one's outputs
-            state, carry = speculative._clone(state), speculative._clone(carry)
-    return run._replace(state=state, carry=carry)
-
-
-def compiled_round(dec) -> Callable:
-    """The round's compiled step (fused: one graph), for `guard_check`.
-    TODO(loop API): no public equivalent; the integrator picks how a benchmark reaches it."""
-    return dec._round
-
-
-def use_k(dec, k: int) -> None:
-    """Decode with K drafts per round from now on. TODO(loop API): `dec.use_k(k)`."""
-    dec._bind(k)
-
-
-def tune_k(dec, prompts: Sequence[Sequence[int]], ks: Sequence[int], on_timed: Callable[[int, float], None],
-           **kwargs: Any):
-    """`dec.tune_k(prompts, ks, **kwargs)`, calling on_timed(k, ms) after each K it times.
-    TODO(loop API): `dec.tune_k(prompts, ks, on_timed=on_timed, **kwargs)`."""
-    time_round = dec._round_ms
-
-    def timed(k, *args):
-        ms, acceptance = time_round(k, *args)
-        on_timed(k, ms)
-        return ms, acceptance
-
-    dec._round_ms = timed
-    try:
-        return dec.tune_k(prompts, ks, **kwargs)
-    finally:
-        del dec._round_ms  # the class's method again
-
-
-@contextlib.contextmanager
-def guards_every_round():
-    """Every round of every Decoder under Dynamo's full guards (`generate` skips their evaluation
-    from round 3 on). TODO(loop API): the loop's own switch for its skip-guards stance, if it keeps one."""
-    from unittest import mock
-
-    with mock.patch.object(speculative, "_skip_guards", contextlib.nullcontext):
-        yield

@@ -106,7 +106,7 @@ class Bench:
         """name -> a function of the prompts that generates and returns the new tokens per request
         (the first call compiles); built fresh per batch size."""
         import specpass
-        from specpass.speculative import Decoder
+        from specpass.loop import Decoder
 
         new, k = self.args.new_tokens, self.args.k
 
@@ -118,6 +118,7 @@ class Bench:
                 run.rewrites = {step: collections.Counter(line.split("]")[0][1:] for line in lines)
                                 for step, lines in out.rewrites.items()}  # step -> pass -> rewrites
                 return out.sequences[:, ids.shape[1]:].tolist(), out.metrics
+            run.decoders = specpass.generate.cache
             return run
 
         def zoo(kind):
@@ -131,6 +132,7 @@ class Bench:
                                           compile=self.compile, mode=self.mode, fused_round=self.device.type == "cuda")
                 out = decoders[0].generate(prompts, new)
                 return out.tokens, out.metrics
+            run.decoders = decoders.values()
             return run
 
         found = {"specpass/plain": ours(None), "specpass/draft": ours(self.draft), "specpass/eagle3": ours(self.eagle3),
@@ -185,11 +187,17 @@ class Bench:
 
 
 def guarded(run):
-    """run with Decoder.generate's rounds 3 on under Dynamo's guards too (they skip them otherwise)."""
+    """run with its Decoders' rounds 3 on under Dynamo's guards too (`generate` skips them otherwise)."""
 
     def with_guards(*args):
-        with harness.guards_every_round():
+        decoders = list(run.decoders)
+        for dec in decoders:
+            dec.skip_guards = False
+        try:
             return run(*args)
+        finally:
+            for dec in decoders:
+                dec.skip_guards = True
     return with_guards
 
 

@@ -39,7 +39,7 @@ import specpass
 from benchmarks import harness
 from models import zoo
 from models.drafters import ZooDrafter
-from specpass.speculative import Decoder
+from specpass.loop import Decoder
 
 GB = 1 << 30
 
@@ -105,7 +105,7 @@ class Bench:
 
         def call(prompts) -> tuple[torch.Tensor, float]:
             start = harness.now(self.device)
-            run = harness.start(dec, prompts, 1)
+            run = dec.start(prompts, 1)
             return run.state.last, 1e3 * (harness.now(self.device) - start)
 
         before = harness.graphs_compiled()

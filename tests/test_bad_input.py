@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 
 import specpass

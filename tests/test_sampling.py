@@ -18,7 +18,6 @@ greedy requests inside a sampled batch still give greedy decoding's tokens exact
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 

@@ -6,7 +6,7 @@ import torch
 
 from benchmarks import harness
 from specpass.kernels import attend_folded
-from specpass.speculative import Decoder
+from specpass.loop import Decoder
 
 
 def attention_bench(bs: int, queries: int, slots: int, device: torch.device) -> dict[str, float]:

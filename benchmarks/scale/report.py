@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpass.speculative import expected_accept_length
+from specpass.loop import expected_accept_length
 
 
 def projected(result: dict, r: dict, decode_ms: float) -> float:

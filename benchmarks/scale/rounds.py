@@ -12,7 +12,7 @@ import specpass
 from benchmarks import harness
 from models import zoo
 from models.drafters import adapt
-from specpass.speculative import Decoder
+from specpass.loop import Decoder
 
 HEADS = {"eagle3": "eagle3", "parallel": "peagle3"}  # --drafter -> the zoo's head, llama3-8b-<this>
 
@@ -84,13 +84,13 @@ class Bench:
         time does not depend on them, its shapes are static), then rounds replayed as `generate` runs
         them; the synchronised clock over `long - short` rounds after `short`, median of repeats."""
         # after `long` tokens a request runs frozen
-        run = harness.start(dec, [p[:1] for p in prompts], long, position=len(prompts[0]))
-        run = harness.rounds(dec, run, short)  # compiles, records the CUDA graphs
+        run = dec.start([p[:1] for p in prompts], long, position=len(prompts[0]))
+        run = dec.rounds(run, short)  # compiles, records the CUDA graphs
         samples = []
         with harness.exclusive(self.args.gpu_lock):
             for _ in range(self.args.repeats):
                 start = harness.now(dec.device)
-                run = harness.rounds(dec, run, long - short)
+                run = dec.rounds(run, long - short)
                 samples.append((harness.now(dec.device) - start) / (long - short))
         return 1e3 * statistics.median(samples), dict(prefill_ms=0.0, samples_ms=[1e3 * s for s in samples])
 

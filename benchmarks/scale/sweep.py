@@ -12,7 +12,7 @@ from benchmarks.scale.attention import attention_bench, kernel_profile
 from benchmarks.scale.floors import ceilings, floors, gemm_floor
 from benchmarks.scale.rounds import Bench, RoundRow
 from benchmarks.scale.tune import tune_point
-from specpass.speculative import cache_slots
+from specpass.loop import cache_slots
 
 SHIPPED = {  # --drafter -> its measured acceptance: a file and the rows of it that hold it
     "eagle3": (harness.ROOT / "docs" / "e2e.json", dict(variant="eagle3/specpass-fused", dtype="bfloat16")),

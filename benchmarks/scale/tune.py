@@ -10,7 +10,7 @@ from typing import Callable
 from benchmarks import harness
 from benchmarks.scale.floors import floors
 from benchmarks.scale.rounds import Bench, RoundRow
-from specpass.speculative import cache_slots
+from specpass.loop import cache_slots
 
 
 def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save, late: Callable[[str], bool]) -> None:
@@ -31,7 +31,7 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save, lat
         print(f"  bs {bs} prompt {prompt} tune_k timed K {k}: {ms:.3f} ms/round ({time.perf_counter() - start:.0f} s)",
               file=sys.stderr, flush=True)
 
-    tune = functools.partial(harness.tune_k, dec, prompts, args.tune_ks, on_timed=timed, acceptance=acceptance,
+    tune = functools.partial(dec.tune_k, prompts, args.tune_ks, on_timed=timed, acceptance=acceptance,
                              new_tokens=args.new_tokens, max_timings=args.tune_max_timings)
     if args.gpu_lock:  # compiles every K (kept), so that the tuning below only times
         tune(repeats=1)
@@ -41,7 +41,7 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save, lat
     swept = {choice.k, *(args.k_sweep if (bs, prompt) in args.k_sweep_at else [])} - set(measured)
     for k in sorted(swept, key=lambda k: (abs(k - choice.k), k)):
         if not late(f"{bs}x{prompt} K {k} on the tuning decoder"):
-            harness.use_k(dec, k)
+            dec.use_k(k)
             measured[k], _ = bench.round_ms(dec, prompts, short, long)
     seconds = time.perf_counter() - start
     for k, ms in sorted(measured.items()):
