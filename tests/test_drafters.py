@@ -341,6 +341,14 @@ def test_head_that_does_not_fit_the_target(tmp_path, target, monkeypatch):
             "EAGLE-3 hidden_size 32 != the target's hidden_size 64 (the head uses the target's embedding")
 
 
+def test_target_embedding_of_another_shape(tmp_path, monkeypatch):
+    """A target whose input embedding has more rows than its config's vocabulary (resized, padded)."""
+    target = zoo.build("tiny-llama", seed=0)
+    target.model.embed_tokens = torch.nn.Embedding(300, 64)
+    _, folder = head_folder(tmp_path)
+    refused(monkeypatch, folder, target, "the target's input embedding is [300, 64], the head reads it as [256, 64]")
+
+
 def test_d2t_outside_the_target_vocabulary(tmp_path, target):
     _, folder = head_folder(tmp_path)
     edit_weights(folder, lambda s: s["d2t"].__setitem__(-1, 1000))

@@ -47,6 +47,10 @@ def load_drafter(directory: str | Path, target: nn.Module, *, device=None, dtype
     names, problems = head_names(weights.specs, config.num_hidden_layers)
     own_embedding = EMBEDDING in names.values()
     problems += fit_problems(config, target_vocab, target_hidden, own_embedding)
+    shape = [config.vocab_size, config.hidden_size]
+    if not own_embedding and list(embedding.weight.shape) != shape and not problems:
+        problems.append(f"the target's input embedding is {list(embedding.weight.shape)}, the head reads it as "
+                        f"{shape} (vocab_size, hidden_size): use a head made for this target")
     cls = ParallelEagle3Head if isinstance(config, ParallelEagle3Config) else Eagle3Head
     with torch.device("meta"):
         head = cls(config)
