@@ -57,11 +57,11 @@ sys.path.insert(0, str(ROOT))  # models/ lives in the repo root
 
 from models.checkpoint import checkpoint_tensors, load, save  # noqa: E402
 from models.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
-from models.layers import rope  # noqa: E402
 from models.llama import Llama, LlamaConfig  # noqa: E402
 from models.peagle import ParallelEagle3Config, ParallelEagle3Head  # noqa: E402
 from models.text import BOS  # noqa: E402
 from models.text import HELD_OUT, VOCAB, corpus, make_prompts  # noqa: E402
+from specpass.drafters.rope import rope  # noqa: E402
 
 TARGET = LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
                      num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
@@ -94,7 +94,8 @@ STEP_DECAY = 0.8  # EAGLE-3's weight of rollout step j: 0.8**j
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """q `[B, T, nh, d]`, k/v `[B, S, nkv, d]` -> `[B, T, nh, d]`: causal (S = T) when mask is None,
-    else over the keys `mask [T, S]` allows. Scale head_dim**-0.5, as the cached `layers.attend`."""
+    else over the keys `mask [T, S]` allows. Scale head_dim**-0.5, as the cached attention
+    (`specpass.drafters.attention.attend`)."""
     rep = q.shape[2] // k.shape[2]  # GQA: repeat K/V heads, which the flash and memory-efficient kernels need
     k, v = (t.repeat_interleave(rep, dim=2).transpose(1, 2) for t in (k, v))
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None)

@@ -15,56 +15,30 @@ until the file has been checked. Tied weights (lm_head = embed_tokens) are store
 Hugging Face does. Keys a model lists in `checkpoint_excludes` (the EAGLE-3 head's embedding,
 which public EAGLE-3 checkpoints take from the target) are never saved and must be passed to
 `load` as `shared=` tensors, which the model then uses by reference.
+
+The files are read with the library's reader (`specpass.drafters.files`: config.json, single or
+sharded safetensors, a pytorch_model.bin); `specpass.load_drafter` loads public EAGLE-3 folders
+for any target, this module any zoo class, strictly (dtypes included) and with zoo-only layouts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn as nn
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"  # sharded folders written by save_pretrained
+from specpass.drafters.config import ConfigBase
+from specpass.drafters.files import (CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, CheckpointError, Weights,
+                                     read_config_json)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder does not match the model it is loaded into."""
-
-
-@dataclasses.dataclass
-class ConfigBase:
-    """A model config that is also a Hugging Face-style `config.json` (field names are HF's)."""
-
-    model_type: ClassVar[str] = ""
-
-    def architectures(self) -> list[str]:
-        raise NotImplementedError
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"architectures": self.architectures(), "model_type": self.model_type, **dataclasses.asdict(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]):
-        """Known fields are read, others (HF bookkeeping) ignored; required fields must be there."""
-        fields = dataclasses.fields(cls)
-        required = [f.name for f in fields
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        missing = [name for name in required if name not in d]
-        if missing:
-            raise CheckpointError(f"{CONFIG_FILE} lacks {missing}, required by {cls.__name__}")
-        return cls(**{f.name: d[f.name] for f in fields if f.name in d})
 
 
 def checkpoint_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -170,16 +144,8 @@ _WRITE_ONE = "write one with models.checkpoint.save(model, config, dir) or model
 
 def read_config(cls, directory: str | Path) -> tuple[ConfigBase, dict[str, Any]]:
     directory = Path(directory)
-    if not directory.exists():
-        raise CheckpointError(f"checkpoint folder {directory} does not exist: check the path, or {_WRITE_ONE}")
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory} is a file, not a checkpoint folder: pass the folder that holds "
-                              f"{CONFIG_FILE} and the weights")
+    raw = read_config_json(directory, _WRITE_ONE)
     path = directory / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(
-            f"{path} not found: a checkpoint folder holds {CONFIG_FILE} and {WEIGHTS_FILE}; {_WRITE_ONE}")
-    raw = _read_json(path)
     expected = getattr(cls, "architectures", None)
     found = raw.get("architectures")
     if expected and found and not set(found) & set(expected):
@@ -188,17 +154,6 @@ def read_config(cls, directory: str | Path) -> tuple[ConfigBase, dict[str, Any]]
         return cls.config_class.from_dict(raw), raw
     except (TypeError, ValueError) as exc:  # a value the config class refuses (CheckpointError included)
         raise CheckpointError(f"{path}: {exc}; fix the file or write it again with models.checkpoint.save") from exc
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        raw = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON ({exc}); it may be truncated: copy or write it "
-                              "again") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(raw).__name__}, not an object; copy or write it again")
-    return raw
 
 
 def load(cls, directory: str | Path, device=None, dtype: torch.dtype | None = None,
@@ -226,17 +181,8 @@ def load(cls, directory: str | Path, device=None, dtype: torch.dtype | None = No
         problems.append(f"shared= names {unknown_shared}, which {cls.__name__} does not take from outside "
                         f"(it takes {excludes})")
 
-    files = _weight_files(directory)
-    in_file: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    in_file[name] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype()))
-        except SafetensorError as exc:  # safe_open checks that the header covers the whole file
-            raise CheckpointError(f"{file} is not a readable safetensors file ({exc}); it may be truncated "
-                                  "(an interrupted copy or download): copy or write it again") from exc
+    weights = Weights(directory, _WRITE_ONE)
+    in_file = weights.specs
 
     # name -> (where it comes from, shape, dtype); shared= wins over a copy some exporters write
     sources = {name: ("file", *in_file[name]) for name in expected if name in in_file}
@@ -273,20 +219,15 @@ def load(cls, directory: str | Path, device=None, dtype: torch.dtype | None = No
     if wrong_dtype:
         problems.append(f"wrong dtypes ({len(wrong_dtype)}): " + "; ".join(wrong_dtype))
     if missing or unexpected or wrong_shape or wrong_dtype:
-        weights = files[0] if len(files) == 1 else directory / INDEX_FILE
-        problems.append(f"{weights} does not hold the weights {directory / CONFIG_FILE} describes: load the "
+        problems.append(f"{weights.where} does not hold the weights {directory / CONFIG_FILE} describes: load the "
                         f"folder with the class and config that wrote it, or save the model into it again")
     if problems:
         raise CheckpointError(f"cannot load {directory} into {cls.__name__}:\n  " + "\n  ".join(problems))
 
     # Checked: now read, cast and place. Nothing above touched the model's tensors.
     device = torch.device("cpu") if device is None else torch.device(device)
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if sources[name][0] == "file":
-                    state[name] = _cast(f.get_tensor(name), device, dtype)
+    stored = weights.read([name for name, (origin, *_) in sources.items() if origin == "file"])
+    state = {name: _cast(t, device, dtype) for name, t in stored.items()}
     for name, tensor in shared.items():
         state[name] = _cast(tensor.detach(), device, dtype if dtype is not None else declared_dtype)
     for alias, source in aliases.items():
@@ -294,25 +235,6 @@ def load(cls, directory: str | Path, device=None, dtype: torch.dtype | None = No
     model.load_state_dict(state, strict=True, assign=True)
     retie(model, aliases)  # assign=True made two Parameters
     return model.eval()
-
-
-def _weight_files(directory: Path) -> list[Path]:
-    single, index = directory / WEIGHTS_FILE, directory / INDEX_FILE
-    if single.is_file():
-        return [single]
-    if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} has no weight_map (tensor name -> shard file); copy or write it again")
-        shards = sorted(set(weight_map.values()))
-        absent = [s for s in shards if not (directory / s).is_file()]
-        if absent:
-            raise CheckpointError(f"{index} names shard files that are not in {directory}: {absent}; copy them "
-                                  "there (an incomplete download?) or write the checkpoint again")
-        return [directory / s for s in shards]
-    raise CheckpointError(
-        f"{single} not found (nor a sharded {INDEX_FILE}): a checkpoint folder holds {CONFIG_FILE} and "
-        f"{WEIGHTS_FILE}; {_WRITE_ONE}")
 
 
 def _cast(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
@@ -330,12 +252,6 @@ def retie(model: nn.Module, aliases: dict[str, str]) -> None:
     for alias, source in aliases.items():
         owner, _, leaf = alias.rpartition(".")
         setattr(model.get_submodule(owner), leaf, model.get_parameter(source))
-
-
-def _st_dtype(name: str) -> torch.dtype:
-    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-            "BOOL": torch.bool}[name]
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -43,7 +43,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import library
 
-from models.layers import SwiGLU, apply_rope, attend, write_cache
+from specpass.drafters.attention import attend, write_cache
+from specpass.drafters.layers import SwiGLU
+from specpass.drafters.rope import apply_rope
 
 _aten_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # public from torch 2.10 on
 

@@ -30,8 +30,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from models.checkpoint import CheckpointError, ConfigBase
-from models.layers import Attention, DecoderLayer, Draft, SwiGLU, rope
+from specpass.drafters.attention import Attention
+from specpass.drafters.base import Draft
+from specpass.drafters.config import ConfigBase, check_llama_block
+from specpass.drafters.files import CheckpointError
+from specpass.drafters.layers import DecoderLayer, SwiGLU
+from specpass.drafters.rope import read_rope, rope
 
 
 @dataclasses.dataclass
@@ -62,21 +66,17 @@ class LlamaConfig(ConfigBase):
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
         d = dict(d)
-        rope_params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(f"rope type {rope_type!r} is not modelled; only the default RoPE is")
-        if "rope_theta" not in d and "rope_theta" in rope_params:
-            d["rope_theta"] = rope_params["rope_theta"]
+        theta, scaling = read_rope(d)
+        if scaling is not None:
+            raise CheckpointError("rope type 'llama3' is not modelled by the zoo's Llama; only the default RoPE is "
+                                  "(specpass.drafters' EAGLE-3 heads take it)")
+        if theta is not None:
+            d["rope_theta"] = theta
         if d.get("head_dim") is None and "hidden_size" in d and "num_attention_heads" in d:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]  # HF's default
         if d.get("num_key_value_heads") is None and "num_attention_heads" in d:
             d["num_key_value_heads"] = d["num_attention_heads"]
-        for flag in ("attention_bias", "mlp_bias"):
-            if d.get(flag):
-                raise CheckpointError(f"{flag}=true is not modelled")
-        if d.get("hidden_act", "silu") != "silu":
-            raise CheckpointError(f"hidden_act {d['hidden_act']!r} is not modelled; only silu is")
+        check_llama_block(d)
         return super().from_dict(d)
 
 
@@ -135,6 +135,9 @@ class Llama(Draft):
             return logits, x
         by_layer = dict(zip(sorted(set(capture)), captured))
         return logits, torch.cat([by_layer[i] for i in capture], dim=-1)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
 
     def forward_rows(self, tokens, positions, hidden=None):
         x, _ = self._layers(tokens, positions)

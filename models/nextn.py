@@ -40,9 +40,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from models.checkpoint import ConfigBase
 from models.deepseek import MLAAttention, MoE
-from models.layers import Attention, DecoderLayer, Draft, SwiGLU, rope
+from specpass.drafters.attention import Attention
+from specpass.drafters.base import Draft
+from specpass.drafters.config import ConfigBase
+from specpass.drafters.layers import DecoderLayer, SwiGLU
+from specpass.drafters.rope import rope
 
 
 @dataclasses.dataclass

@@ -4,9 +4,9 @@
     tp.setup_caches(B, S)                                         # this rank's K/V heads only
     logits, hidden_out = tp.catch_up(tokens, positions, hidden, live)   # the same on every rank
 
-Every `layers.Attention` keeps its slice of the heads: its rows of q/k/v_proj (column-parallel)
+Every `Attention` (specpass.drafters) keeps its slice of the heads: its rows of q/k/v_proj (column-parallel)
 and the matching columns of o_proj (row-parallel: the partial sums are all-reduced). Every
-`layers.SwiGLU` keeps its slice of gate/up_proj and the matching columns of down_proj
+`SwiGLU` keeps its slice of gate/up_proj and the matching columns of down_proj
 (all-reduced). `lm_head` keeps its slice of the vocabulary; the logits are all-gathered.
 Embeddings, norms and EAGLE-3's fc stay whole on every rank. The collectives are
 torch.distributed's functional ones, as torch-native TP code writes them (DTensor's redistribute
@@ -23,7 +23,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.layers import Attention, SwiGLU
+from specpass.drafters.attention import Attention
+from specpass.drafters.layers import SwiGLU
 
 
 def tensor_parallel(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:

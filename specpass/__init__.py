@@ -4,6 +4,7 @@
     torch.compile(draft_step, backend="specpass")               # entry point
     torch.compile(draft_step, backend=specpass.backend(q_slice=False))
     print(specpass.explain(draft_step, *args))                  # what the passes would do
+    draft = specpass.load_drafter("eagle3-dir", hf_model)       # a public EAGLE-3 / P-EAGLE checkpoint
     out = specpass.generate(hf_model, input_ids, assistant_model=draft, max_new_tokens=64)  # transformers
     program = specpass.export(step_module, args)                # torch.export, rewritten
 """
@@ -13,6 +14,7 @@ import types
 
 from specpass.compile_backend import SpecpassWarning, backend, default_backend
 from specpass.capture import CaptureError, capture
+from specpass.drafters import load_drafter
 from specpass.export_program import export
 from specpass.loop import Decoder, Drafter, ParallelDrafter, Target
 from specpass.options import Options
@@ -38,6 +40,7 @@ __all__ = [
     "explain",
     "export",
     "generate",
+    "load_drafter",
     "register_row_rule",
     "rewrite",
 ]

@@ -15,6 +15,8 @@ from models.checkpoint import CheckpointError, load, save
 from models.eagle3 import Eagle3Head
 from models.llama import Llama
 from models.nextn import NextN
+from specpass.drafters import files
+from specpass.drafters.rope import rope
 
 
 def close(a, b, tol=1e-5):
@@ -57,7 +59,6 @@ def test_absorbed_mla_equals_naive_mla():
     B, T = 2, 9
     x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     positions = torch.arange(T).expand(B, -1)
-    from models.layers import rope
     with torch.no_grad():
         expected = naive_mla(attn, x, positions, theta)
         model.setup_caches(B, 16)
@@ -139,8 +140,6 @@ def test_qwen_moe_matches_transformers():
 def test_qwen_gated_attention_matches_transformers():
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention, Qwen3_5TextRotaryEmbedding
-
-    from models.layers import rope
 
     model = zoo.build("tiny-qwen3.5-nextn", seed=7)
     cfg = model.config
@@ -262,7 +261,7 @@ class CountReads:
 
     def __init__(self, monkeypatch):
         self.reads = 0
-        real = checkpoint.safe_open
+        real = files.safe_open
         outer = self
 
         class Counting:
@@ -286,7 +285,7 @@ class CountReads:
                 outer.reads += 1
                 return self.f.get_tensor(name)
 
-        monkeypatch.setattr(checkpoint, "safe_open", Counting)
+        monkeypatch.setattr(files, "safe_open", Counting)
 
 
 def failing_load(monkeypatch, cls, folder, **kw):
@@ -361,9 +360,15 @@ def test_wrong_architecture(folder, monkeypatch):
     assert "LlamaForCausalLM" in msg and "NextN" in msg
 
 
-def test_unmodelled_rope_scaling_is_refused(folder, monkeypatch):
+@pytest.mark.parametrize("params, words", [
+    ({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192}, ["'llama3' is not modelled by the zoo's Llama"]),
+    ({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}, ["'llama3' needs", "'low_freq_factor'"]),
+    ({"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}, ["'yarn' is not modelled"]),
+])
+def test_unmodelled_rope_scaling_is_refused(folder, monkeypatch, params, words):
     config = json.loads((folder / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    config["rope_parameters"] = params
     (folder / "config.json").write_text(json.dumps(config))
     msg = failing_load(monkeypatch, Llama, folder)
-    assert "llama3" in msg and "not modelled" in msg
+    assert str(folder / "config.json") in msg and all(w in msg for w in words), msg

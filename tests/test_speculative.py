@@ -164,13 +164,12 @@ def test_explain_catch_up_shows_the_live_row_gather(target):
     report = specpass.explain(dec.steps.catch_up, *args)
     live = [f for f in report.of("live_rows") if f.fired]
     assert live and live[0].rows == (3 * (k + 1), 3), str(report)
-    # The gather lands before attention (one token per request: its GQA group of query rows), even
-    # though the sampled id then indexes d2t: an index computed from the rows, which must not be
-    # hoisted above them.
+    # The gather lands before attention (one query row per request and head), even though the
+    # sampled id then indexes d2t: an index computed from the rows, which must not be hoisted above them.
     rewritten = specpass.rewrite(specpass.capture(dec.steps.catch_up, *args)).graph_module
     (attention,) = rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
     attn = dec.drafter.model.midlayer.self_attn
-    assert attention.meta["val"].shape[-2] == attn.n_heads // attn.n_kv_heads  # one token: its GQA group's rows
+    assert list(attention.meta["val"].shape[1:3]) == [attn.n_heads, 1]  # [B, heads, one token, d]
     assert "only known after" not in str(report)  # the query projection runs on live rows too
     assert any(f.fired for f in report.of("argmax")), str(report)  # the greedy softmax -> max
 

@@ -1,6 +1,7 @@
 """The split-KV pass: SDPA of a few tokens per request with enable_gqa becomes
 `torch.ops.specpass.attend_split` on CUDA graphs. On CPU the graphs are traced with fake CUDA
-tensors (the pass reads only fake tensors); the refusals, each with its reason; the op's CPU
+tensors (the pass reads only fake tensors), the zoo's verify step among them (its attention is
+plain SDPA: the kernel is the pass's choice); the refusals, each with its reason; the op's CPU
 implementation against SDPA. On a GPU (through the device machine): a compiled transformers
 Llama's verify step and `specpass.generate` with the pass, against the same compile without it."""
 
@@ -13,9 +14,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import specpass
+from models import zoo
 from specpass.kernels import attend_split_refusal
 from specpass.options import Options
 from specpass.passes import split_kv
+from specpass.pipeline import propagate_fake_tensors
 from specpass.testing import graph_str
 
 B, HK, G, T, S, D = 2, 2, 3, 5, 40, 64  # 2 kv heads, 6 query heads, a verify of 5 tokens
@@ -101,6 +104,41 @@ return transpose_int_3""")
         assert result.report.of("split_kv") == [] and [f.fired for f in result.report.of("gqa")] == [True]
 
 
+def on_fake_cuda(gm):
+    """A CPU capture as it would be on CUDA: fake CUDA placeholders and factory calls, every meta["val"]
+    propagated again (make_fx cannot trace the zoo's Python indexing on fake CUDA tensors)."""
+    mode = FakeTensorMode()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            v = node.meta["val"]
+            with mode:
+                node.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="cuda")
+        elif node.kwargs.get("device") is not None:  # arange(..., device=cpu)
+            node.kwargs = {**node.kwargs, "device": torch.device("cuda")}
+    propagate_fake_tensors(gm)
+    return gm
+
+
+@pytest.mark.parametrize("t", [5, 1])
+def test_zoo_verify_step_on_cuda(t):
+    """The zoo's Llama target (4 query heads over 2 K/V heads, head size 16), bf16: its verify of 5
+    tokens per request runs every layer's attention as the split-KV op; a decode step (1 token)
+    keeps SDPA, with the reason."""
+    B, S = 2, 40
+    model = zoo.build("tiny-llama", dtype=torch.bfloat16)
+    model.setup_caches(B, S)
+    positions = torch.arange(t) + torch.tensor([[3], [20]])
+    gm = on_fake_cuda(specpass.capture(model, torch.zeros(B, t, dtype=torch.long), positions))
+    findings = specpass.rewrite(gm).report.of("split_kv")
+    assert len(findings) == model.config.num_hidden_layers
+    assert all(f.fired == (t > 1) for f in findings), "\n".join(map(str, findings))
+    if t > 1:
+        expected = "runs as specpass.attend_split (split-KV: 5 tokens x 2 query heads = 10 rows per K/V head"
+    else:
+        expected = "one token per request (a decode or draft step)"
+    assert all(expected in f.message for f in findings), findings[0]
+
+
 def _sdpa_graph(q, k, v, mask, **kwargs):
     """One SDPA node over placeholders carrying these fake tensors: what the pass sees after gqa,
     built by hand where tracing fake CUDA tensors fails (symbolic sizes, float masks)."""
@@ -162,7 +200,7 @@ class TestRefusals(expecttest.TestCase):
         t = env.create_symintnode(env.create_symbol(5, ConstantSource("T")), hint=5)
         q, k, v, mask = fakes(FakeTensorMode(shape_env=env), t=t)
         self.assertExpectedInline(refusal(q, k, v, mask), """T = s47 tokens is symbolic (a prefill): the kernel is for a verify's few static rows""")
-        # the kernel's own check (the zoo's `attend` calls it) refuses it too, without a guard
+        # the kernel's own check refuses it too, without a guard
         why = attend_split_refusal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         assert why is not None and "symbolic" in why and not env.guards
 

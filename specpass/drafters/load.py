@@ -1,0 +1,193 @@
+"""Loading a public EAGLE-3 (or P-EAGLE) checkpoint folder as a drafter for a given target.
+
+    drafter = load_drafter("eagle3-dir", model)          # a transformers PreTrainedModel or the zoo's Llama
+    out = specpass.generate(model, ids, assistant_model=drafter, max_new_tokens=64)
+
+The folder: `config.json` with `architectures: ["LlamaForCausalLMEagle3"]` (vLLM's alias
+`Eagle3LlamaForCausalLM` too), `draft_vocab_size`, `num_hidden_layers`, optional
+`target_hidden_size` and `head_dim`, `rope_scaling` (default or llama3), and for P-EAGLE
+`parallel_drafting: true` + `mask_token_id`; the weights in `model.safetensors`, shards with an
+index, or `pytorch_model.bin`. Tensor names: one layer as `midlayer.*` or `layers.0.*`, deeper heads
+as vLLM's `layers.N.*`; `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t` (draft id -> offset to
+the target id), `t2d` (target ids the draft covers), `mask_hidden`. `d2t` may be left out when the
+draft vocabulary is the target's, `t2d` always (it follows from `d2t`). An `embed_tokens.weight` in
+the file is used; without one the head shares the target's input embedding by reference.
+
+Everything is checked before a tensor is read: the config against the target (vocabulary, hidden
+sizes), the tensor names and shapes against the config. Every problem is named in one
+`CheckpointError` with the file and what to do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from specpass.drafters.adapter import DraftAdapter, adapt
+from specpass.drafters.eagle3 import Eagle3Config, Eagle3Head
+from specpass.drafters.files import CONFIG_FILE, CheckpointError, Weights, read_config_json
+from specpass.drafters.peagle import ParallelEagle3Config, ParallelEagle3Head
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+HINT = "copy the head's folder (config.json and its weights) there"
+EMBEDDING = "embed_tokens.weight"
+
+
+def load_drafter(directory: str | Path, target: nn.Module, *, device=None, dtype: torch.dtype | None = None
+                 ) -> DraftAdapter:
+    """The EAGLE-3 head in `directory` as a drafter for `target`, on `device` in `dtype` (default:
+    the target's input embedding's). A P-EAGLE head drafts in parallel (`draft_parallel`)."""
+    directory = Path(directory)
+    embedding, target_hidden, target_vocab = target_facts(target)
+    config = read_head_config(directory)
+    weights = Weights(directory, HINT)
+    names, problems = head_names(weights.specs, config.num_hidden_layers)
+    own_embedding = EMBEDDING in names.values()
+    problems += fit_problems(config, target_vocab, target_hidden, own_embedding)
+    shape = [config.vocab_size, config.hidden_size]
+    if not own_embedding and list(embedding.weight.shape) != shape and not problems:
+        problems.append(f"the target's input embedding is {list(embedding.weight.shape)}, the head reads it as "
+                        f"{shape} (vocab_size, hidden_size): use a head made for this target")
+    cls = ParallelEagle3Head if isinstance(config, ParallelEagle3Config) else Eagle3Head
+    with torch.device("meta"):
+        head = cls(config)
+    problems += layout_problems(head, weights, names)
+    if problems:
+        raise CheckpointError(f"cannot load {directory} as an EAGLE-3 head for this {type(target).__name__}:\n  "
+                              + "\n  ".join(problems))
+
+    device = embedding.weight.device if device is None else torch.device(device)
+    dtype = embedding.weight.dtype if dtype is None else dtype
+    stored = weights.read(names)
+    state = {names[name]: _cast(t, device, dtype) for name, t in stored.items()}
+    _vocabulary_maps(state, config, weights.where, device)
+    if not own_embedding:
+        state[EMBEDDING] = _cast(embedding.weight.detach(), device, dtype)
+    head.load_state_dict(state, strict=True, assign=True)
+    if not own_embedding and state[EMBEDDING].data_ptr() == embedding.weight.data_ptr() \
+            and state[EMBEDDING].dtype == embedding.weight.dtype:
+        head.embed_tokens.weight = embedding.weight  # the target's, by reference (device and dtype match)
+    return adapt(head.eval())
+
+
+def target_facts(target: nn.Module) -> tuple[nn.Embedding, int, int]:
+    """(input embedding, hidden size, vocabulary size) of a transformers model or the zoo's Llama."""
+    config = getattr(target, "config", None)
+    if not callable(getattr(target, "get_input_embeddings", None)) or config is None:
+        raise TypeError(f"target must be a transformers PreTrainedModel or the zoo's Llama (a module with "
+                        f"get_input_embeddings() and config.hidden_size / config.vocab_size), got "
+                        f"{type(target).__name__}")
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return target.get_input_embeddings(), text.hidden_size, text.vocab_size
+
+
+def read_head_config(directory: Path) -> Eagle3Config:
+    """config.json as an `Eagle3Config` (a `ParallelEagle3Config` with `parallel_drafting`)."""
+    raw = read_config_json(directory, HINT)
+    path = directory / CONFIG_FILE
+    found = raw.get("architectures")
+    if not (isinstance(found, list) and set(found) & set(ARCHITECTURES)):
+        raise CheckpointError(f"{path} describes architectures {found!r}, not a Llama EAGLE-3 head "
+                              f"({' or '.join(ARCHITECTURES)}): pass an EAGLE-3 head's folder (the target's own "
+                              "folder is loaded by transformers)")
+    cls = ParallelEagle3Config if raw.get("parallel_drafting") else Eagle3Config
+    try:
+        return cls.from_dict(raw)
+    except (TypeError, ValueError) as exc:  # a value the config refuses (CheckpointError included)
+        raise CheckpointError(f"{path}: {exc}; fix the file or use the head's original config.json") from exc
+
+
+def head_names(specs: dict[str, Any], layers: int) -> tuple[dict[str, str], list[str]]:
+    """({name in the file: the head's name}, problems): `midlayer.*` and `layers.0.*` are the same
+    layer, the head's `midlayer` with one layer and its `layers.0` with more."""
+    names, problems, seen = {}, [], {}
+    for name in specs:
+        prefix, _, rest = name.partition(".")
+        index, _, tail = rest.partition(".")
+        if prefix == "midlayer":
+            index, tail = "0", rest
+        elif not (prefix == "layers" and index.isdigit()):
+            names[name] = name
+            continue
+        ours = f"midlayer.{tail}" if index == "0" and layers == 1 else f"layers.{int(index)}.{tail}"
+        if ours in seen:
+            problems.append(f"{seen[ours]} and {name} are the same tensor of layer 0: keep one of them")
+        seen[ours] = name
+        names[name] = ours
+    return names, problems
+
+
+def fit_problems(config: Eagle3Config, vocab_size: int, hidden_size: int, own_embedding: bool = False) -> list[str]:
+    """What keeps an EAGLE-3 head from running against a target of this vocabulary and hidden size."""
+    problems = []
+    if config.vocab_size != vocab_size:
+        problems.append(f"vocabulary: the target has {vocab_size} tokens, the EAGLE-3 head {config.vocab_size} "
+                        "(vocab_size: it reads the target's ids and maps its drafts into them); use a head made "
+                        "for this target")
+    if config.target_hidden_size != hidden_size:
+        problems.append(f"EAGLE-3 target_hidden_size {config.target_hidden_size} != the target's hidden_size "
+                        f"{hidden_size} (fc reads three of the target's hidden states); use a head made for this "
+                        "target")
+    if not own_embedding and config.hidden_size != hidden_size:
+        problems.append(f"EAGLE-3 hidden_size {config.hidden_size} != the target's hidden_size {hidden_size} "
+                        f"(the head uses the target's embedding: the file has no {EMBEDDING})")
+    return problems
+
+
+def layout_problems(head: Eagle3Head, weights: Weights, names: dict[str, str]) -> list[str]:
+    """The file's tensors against the head config.json describes: missing, unexpected, shapes, dtypes."""
+    expected = {name: (tuple(t.shape), t.dtype) for name, t in head.state_dict().items()}
+    optional = {EMBEDDING, "t2d"} | ({"d2t"} if head.config.draft_vocab_size == head.config.vocab_size else set())
+    stored = {ours: (name, *weights.specs[name]) for name, ours in names.items()}
+    missing = [name for name in expected if name not in stored and name not in optional]
+    unexpected = [name for name, ours in names.items() if ours not in expected]
+    wrong = []
+    for ours, (name, shape, dtype) in stored.items():
+        if ours not in expected:
+            continue
+        want_shape, want_dtype = expected[ours]
+        if shape != want_shape:
+            wrong.append(f"{name}: {CONFIG_FILE} gives {list(want_shape)}, the file holds {list(shape)}")
+        kind = _kind(want_dtype)
+        if _kind(dtype) != kind and not (kind == "bool" and _kind(dtype) == "integer"):
+            wrong.append(f"{name} is {str(dtype).removeprefix('torch.')}, not {kind}")
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {unexpected}")
+    if wrong:
+        problems.append(f"wrong tensors ({len(wrong)}): " + "; ".join(wrong))
+    if missing or unexpected or wrong:
+        problems.append(f"{weights.where} does not hold the head {weights.directory / CONFIG_FILE} describes "
+                        f"({head.config.num_hidden_layers} layer(s), hidden_size {head.config.hidden_size}, "
+                        f"draft_vocab_size {head.config.draft_vocab_size}): check config.json against the weights, "
+                        "or copy the folder again")
+    return problems
+
+
+def _vocabulary_maps(state: dict[str, torch.Tensor], config: Eagle3Config, where: Path, device) -> None:
+    """d2t as int64 (zeros: the target's own ids), t2d as bool (from d2t); every draft id must map
+    to a target id."""
+    d2t = state.get("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64, device=device)).long()
+    ids = torch.arange(config.draft_vocab_size, device=device) + d2t
+    outside = ids[(ids < 0) | (ids >= config.vocab_size)]
+    if len(outside):
+        raise CheckpointError(f"{where}: d2t maps {len(outside)} draft ids outside the target's {config.vocab_size} "
+                              f"ids (e.g. {outside[:3].tolist()}): d2t[i] is the offset from draft id i to its "
+                              "target id; use the head's original weights")
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool, device=device)
+    t2d[ids] = True
+    state["d2t"] = d2t
+    state["t2d"] = state["t2d"].bool() if "t2d" in state else t2d
+
+
+def _kind(dtype: torch.dtype) -> str:
+    return "bool" if dtype == torch.bool else "floating-point" if dtype.is_floating_point else "integer"
+
+
+def _cast(t: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device=device)
