@@ -64,7 +64,7 @@ def main() -> None:
     for kind, folder in args.drafters:
         drafter = load_drafter(target, kind, folder, dtype=torch.float32)
         for k in args.k:
-            max_len = cache_slots(max(map(len, prompts)), args.new_tokens, k, parallel=True)
+            max_len = cache_slots(max(map(len, prompts)), args.new_tokens, k)
             metrics = Decoder(target, drafter, k=k, max_batch=len(prompts), max_len=max_len,
                               compile="eager").generate(prompts, args.new_tokens).metrics
             rows.append(AcceptanceRow(env=env, variant=kind, drafter=str(folder), kind=kind, k=k, prompts=len(prompts),

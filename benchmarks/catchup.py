@@ -28,7 +28,8 @@ import specpass
 from benchmarks import harness
 from models import zoo
 from models.eagle3 import Eagle3Config
-from models.layers import apply_rope, attend, rope, write_cache
+from specpass.drafters.attention import attend, write_cache
+from specpass.drafters.rope import apply_rope, rope
 
 
 def hand_catch_up(self, tokens, positions, hidden, live):

@@ -36,8 +36,8 @@ import specpass
 from benchmarks import harness
 from benchmarks.catchup import step_ms
 from models import zoo
-from models.layers import Attention
 from models.tp import shard, tensor_parallel
+from specpass.drafters.attention import Attention
 
 _C10D = "_c10d_functional"
 

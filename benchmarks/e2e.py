@@ -129,7 +129,7 @@ class Bench:
         from specpass.loop import Decoder, cache_slots
 
         new, k_max = self.args.new_tokens, max(v[4] for v in variants)
-        max_len = cache_slots(max(map(len, prompts)), new, k_max, parallel=True)  # enough for every drafter
+        max_len = cache_slots(max(map(len, prompts)), new, k_max)  # enough for every drafter
         sampling = sampling or {}
         decoders, results = {}, {}
         for variant in variants:

@@ -1,5 +1,10 @@
+import os
+
 import pytest
 import torch
+
+if "PYTEST_XDIST_WORKER" in os.environ:  # a worker per core (pyproject's addopts): one thread each
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

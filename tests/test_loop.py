@@ -12,7 +12,7 @@ from specpass.loop import Decoder, ParallelDrafter, cache_slots, round_shape, st
 from specpass.loop.chain import CHAIN
 from specpass.loop.parallel import PARALLEL
 from specpass.loop.plain import PLAIN
-from tests.test_speculative import CountingBackend
+from tests.test_speculative import GraphCounter
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # mixed lengths: 3, 9, 1
 NEW = 24
@@ -78,7 +78,7 @@ def test_cache_slots_per_shape_and_for_any_drafter():
 
 
 def test_use_k_switches_and_reuses_what_it_compiled(target, greedy):
-    backend = CountingBackend()
+    backend = GraphCounter()
     dec = Decoder(target, eagle(), k=2, max_batch=3, max_len=MAX_LEN, compile=backend, fused_round=True)
     assert dec.generate(PROMPTS, NEW, eos_id=7).tokens == greedy and backend.graphs == 2  # prefill, round
     dec.use_k(4)
@@ -101,7 +101,7 @@ def test_start_and_rounds_give_generate_s_tokens(target, drafter, compile):
     """Rounds run by hand (fused and compiled: rounds 3 on without guards, and CUDA graphs' clones,
     as generate) emit what generate emits; a run goes on where it stopped, greedy or sampled."""
     compiled = compile == "counting"
-    dec = Decoder(target, drafter(), k=3, max_batch=4, max_len=MAX_LEN, compile=CountingBackend() if compiled else
+    dec = Decoder(target, drafter(), k=3, max_batch=4, max_len=MAX_LEN, compile=GraphCounter() if compiled else
                   "eager", fused_round=compiled, mode="reduce-overhead" if compiled else None)
     assert dec.cudagraphs == compiled  # the replay's bookkeeping runs on a CPU too (no graphs recorded)
     for sampling in ({}, dict(temperature=1.0, top_k=20, seed=4)):

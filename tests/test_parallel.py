@@ -145,10 +145,8 @@ def test_live_rows_on_the_draft_forward(target, layers):
     assert "does not trace" not in str(report)  # the positions' arange: a factory, named as one
     rewritten = specpass.rewrite(specpass.capture(dec.steps.catch_up, *args)).graph_module
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
-    config = zoo.config("tiny-llama-peagle3")
-    group = config.num_attention_heads // config.num_key_value_heads  # query heads folded into the rows (GQA)
     rows = [n.meta["val"].shape[-2] for n in rewritten.graph.find_nodes(op="call_function", target=sdpa)]
-    assert rows == [2 * k * group] * (layers - 1) + [k * group]  # [B, kv heads, rows x group, d]: K in the last
+    assert rows == [2 * k] * (layers - 1) + [k]  # [B, heads, rows, d] (SDPA's enable_gqa): K in the last
     lm_head = [n for n in rewritten.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
                if n.meta["val"].shape[-1] == zoo.config("tiny-llama-peagle3").draft_vocab_size]
     assert [tuple(n.meta["val"].shape) for n in lm_head] == [(B, k, 96)]

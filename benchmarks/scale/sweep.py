@@ -64,7 +64,7 @@ def sweep(args, save) -> dict:
     if dev.type == "cuda":
         for (bs, prompt), queries in ((at, q) for at in args.attention_at for q in (1, args.k + 1)):
             with harness.exclusive(args.gpu_lock):
-                slots = cache_slots(prompt, long, k_max, parallel=True)
+                slots = cache_slots(prompt, long, k_max)
                 result["attention"].append(attention_bench(bs, queries, slots, dev))
             print(f"  attention {result['attention'][-1]}", file=sys.stderr, flush=True)
             save(result)
@@ -73,7 +73,7 @@ def sweep(args, save) -> dict:
             result["gemm_floor"].append(dict(prompt=prompt, **gemm_floor(bench, bs, k, prompt + long // 2, ceiling)))
         save(result)
     for bs, prompt in args.points:
-        max_len = cache_slots(prompt, long, k_max, parallel=True)
+        max_len = cache_slots(prompt, long, k_max)
         context = prompt + long // 2  # slots a request sees, on average over the timed rounds
         prompts = bench.prompts(bs, prompt)
         runs = [("decode", 0)] + [("specpass", k) for k in [args.k, *(args.k_sweep if (bs, prompt) in args.k_sweep_at

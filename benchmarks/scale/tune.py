@@ -21,7 +21,7 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save, lat
     (and `what` recorded as skipped) once the run is past its time."""
     short, long = args.new_tokens
     acceptance = result["acceptance"]
-    max_len = cache_slots(prompt, long, len(acceptance), parallel=True)
+    max_len = cache_slots(prompt, long, len(acceptance))
     prompts = bench.prompts(bs, prompt)
     context = prompt + long // 2
     start = time.perf_counter()

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch import Tensor
 from transformers import PreTrainedModel
 
-import specpass
+from specpass.compile_backend import backend as specpass_backend
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair
 from specpass.loop import Decoder, Metrics, round_shape
 
@@ -135,7 +135,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     fused_round = fused_round if fused_round is not None else cuda
 
     def build() -> tuple[Decoder, _Recorder | None]:
-        backend = specpass.backend() if compile == "specpass" else compile
+        backend = specpass_backend() if compile == "specpass" else compile
         recorder = _Recorder(backend) if callable(backend) else None  # "inductor", "eager": nothing to report
         return Decoder(HFTarget(model), drafter, k=k, max_batch=len(prompts), max_len=cache_len or need,
                        compile=recorder or backend, mode=mode, fused_round=fused_round), recorder

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import specpass
+from specpass.compile_backend import default_backend
 
 COMPILERS = ("specpass", "inductor", "eager")
 
@@ -22,7 +22,7 @@ def compiler(compile: str | Callable, mode: str | None,
     """-> wrap(fn, name): fn compiled as one graph, under a code object of its own named `name`."""
     if compile == "eager":
         return lambda fn, name: fn
-    backend = specpass if compile == "specpass" else compile  # the module is a backend; "inductor"; a callable
+    backend = default_backend if compile == "specpass" else compile  # "inductor"; a callable
     return lambda fn, name: torch.compile(own_code(fn, name), backend=backend, mode=mode, fullgraph=True,
                                           dynamic=dynamic)
 
