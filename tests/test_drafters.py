@@ -23,8 +23,9 @@ from models import zoo
 from models.checkpoint import save
 from models.text import encode, load_prompts
 from specpass.drafters import (CheckpointError, DraftAdapter, Eagle3Head, ParallelDraftAdapter, ParallelEagle3Head,
-                               files, load_drafter)
+                               load_drafter)
 from specpass.drafters.rope import inverse_frequencies, read_rope, rope
+from tests.test_models_blocks import CountReads
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -235,37 +236,6 @@ def test_a_transformers_target(tmp_path):
 
 
 # --- the loader: every error, before a tensor is read
-
-
-class CountReads:
-    """Counts the tensors the loader reads (files.safe_open wrapped)."""
-
-    def __init__(self, monkeypatch):
-        self.reads = 0
-        real, outer = files.safe_open, self
-
-        class Counting:
-            def __init__(self, path):
-                self.inner = real(path)
-
-            def __enter__(self):
-                self.f = self.inner.__enter__()
-                return self
-
-            def __exit__(self, *exc):
-                return self.inner.__exit__(*exc)
-
-            def keys(self):
-                return self.f.keys()
-
-            def get_slice(self, name):
-                return self.f.get_slice(name)
-
-            def get_tensor(self, name):
-                outer.reads += 1
-                return self.f.get_tensor(name)
-
-        monkeypatch.setattr(files, "safe_open", Counting)
 
 
 def refused(monkeypatch, folder, target, *words):
