@@ -81,13 +81,20 @@ def table_head(table: torch.Tensor, seen: list):
 # --- drafting
 
 
-@pytest.mark.parametrize("k,steps,n", [(2, 4, 8), (4, 5, 16), (3, 3, 13), (4, 3, 21), (1, 4, 5), (3, 1, 4)])
-def test_draft_tree_matches_the_reference(k, steps, n):
+@pytest.mark.parametrize("k,steps,n,peaked", [(2, 4, 8, False), (4, 5, 16, False), (3, 3, 13, False),
+                                              (4, 3, 21, False), (1, 4, 5, False), (3, 1, 4, False),
+                                              (2, 3, 1, False), (2, 4, 8, True), (3, 3, 10, True)])
+def test_draft_tree_matches_the_reference(k, steps, n, peaked):
+    """peaked: a child of log-probability 0 (fp32) ties its parent's score: the parent must still
+    be kept and come first (the reference breaks ties by creation order)."""
     V, B = 12, 6
     for seed in range(8):
         g = torch.Generator().manual_seed(seed)
         root_logits = torch.randn(B, V, generator=g) * 2
         table = torch.randn(steps, V, V, generator=g) * 2  # logits given (depth, token)
+        if peaked:
+            table[..., 0] = 200.0
+            assert (torch.log_softmax(table, -1)[..., 0] == 0).all()
         root = torch.randint(V, (B,), generator=g)
         seen = []
         tree = draft_tree(root, root_logits, table_head(table, seen), None, k, steps, n)
@@ -106,7 +113,7 @@ def test_draft_tree_matches_the_reference(k, steps, n):
             assert tree.mask[b].tolist() == want, (seed, b)
 
 
-def test_draft_tree_compiles_whole():
+def test_the_rounds_compile_whole():
     k, steps, n, V, B = 3, 3, 10, 16, 2
     g = torch.Generator().manual_seed(0)
     table, root_logits, root = torch.randn(steps, V, V, generator=g), torch.randn(B, V, generator=g), torch.arange(B)
@@ -114,10 +121,17 @@ def test_draft_tree_compiles_whole():
     def head(tokens, parent_row, i, mask, state):
         return table[i][tokens] + mask.sum(-1, keepdim=True), state  # the mask reaches the graph
 
-    eager = draft_tree(root, root_logits, head, None, k, steps, n)
-    compiled = torch.compile(draft_tree, fullgraph=True, backend="eager")(root, root_logits, head, None, k, steps, n)
+    def round_(root, root_logits, params):
+        tree = draft_tree(root, root_logits, head, None, k, steps, n)
+        logits = table[0][tree.tokens]
+        return tree, accept_greedy(tree, logits.argmax(-1), steps), accept_sampled(tree, logits, params, root, steps)
+
+    params = Params.make(B, B, torch.device("cpu"), temperature=0.7, top_p=0.9, seed=0)
+    eager = round_(root, root_logits, params)
+    compiled = torch.compile(round_, fullgraph=True, backend="eager")(root, root_logits, params)
     for a, b in zip(eager, compiled):
-        assert torch.equal(a, b)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
 
 
 # --- greedy acceptance
