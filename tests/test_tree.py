@@ -4,8 +4,9 @@ Drafting, the ancestor mask, the head's per-step mask and greedy acceptance are 
 with references written per request in plain Python, over many seeds. Sampled acceptance is a
 two-sample Pearson chi-square test of the joint distribution of the first two emitted tokens
 against plain sampling from the target (N = 20,000 each, vocabulary 8, fixed seeds, α = 1e-3),
-and its power is checked: the same test must reject wrong rules (a later sibling accepted with its
-unrenormalised probability; the residual drawn from p with the rejected siblings left in).
+and its power is checked: the same test must reject the issue's three wrong rules (a later sibling
+accepted with its unrenormalised probability; the residual drawn from p with the rejected siblings
+left in; the chain's min(1, p / q) per sibling, q the draft's probability).
 """
 
 from __future__ import annotations
@@ -207,22 +208,30 @@ def models(seed: int):
     return target, draft
 
 
-def speculative(target, draft, root, pos, params):
-    """One tree round per request: x_n root [B] at pos [B] -> (y [B, STEPS+1], a [B])."""
+def speculative(target, draft, root, pos, params, chain_rule=False):
+    """One tree round per request: x_n root [B] at pos [B] -> (y [B, STEPS+1], a [B]). chain_rule:
+    the wrong rule min(1, p / q) per sibling, q the draft's probability of the node."""
     def head(tokens, parent_row, i, mask, state):
         return draft[tokens], state
     tree = draft_tree(root, draft[root], head, None, K, STEPS, NODES)
-    got = accept_sampled(tree, target[tree.tokens], params, pos, STEPS)
+    if not chain_rule:
+        got = accept_sampled(tree, target[tree.tokens], params, pos, STEPS)
+        return got.y, got.a
+    q = torch.softmax(draft[tree.tokens.gather(1, tree.parents.clamp_min(0))], -1)  # [B, N, V] after the parent
+    q = q.gather(2, tree.tokens[..., None])[..., 0]  # [B, N] the draft's probability of each node
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tree_math, "sibling_accepts", lambda u, p, left: u * q < p)
+        got = accept_sampled(tree, target[tree.tokens], params, pos, STEPS)
     return got.y, got.a
 
 
-def first_two(target, draft, params, temperature):
+def first_two(target, draft, params, temperature, chain_rule=False):
     B = params.seed.shape[0]
     root, pos = torch.zeros(B, dtype=torch.long), torch.full((B,), 5)
-    y, a = speculative(target, draft, root, pos, params)
+    y, a = speculative(target, draft, root, pos, params, chain_rule)
     # A round emits a+1 >= 1 tokens: a second round from y_a makes two in every request.
     root2 = y.gather(1, a[:, None])[:, 0]
-    y2, _ = speculative(target, draft, root2, pos + a + 1, params)
+    y2, _ = speculative(target, draft, root2, pos + a + 1, params, chain_rule)
     second = torch.where(a > 0, y[:, 1], y2[:, 0])
     return torch.stack([y[:, 0], second], 1)
 
@@ -264,6 +273,14 @@ def test_a_wrong_rule_is_rejected(name, wrong, monkeypatch):
     params = Params.make(DRAWS, DRAWS, torch.device("cpu"), temperature=1.0, seed=0)
     stat, df, p = two_sample(first_two(target, draft, params, 1.0), plain(target, 1.0, 100), V)
     assert p < ALPHA, f"{name} -> {wrong.__name__} not rejected: chi-square {stat:.1f} on {df} df, p = {p:.2e}"
+
+
+def test_the_chain_rule_on_siblings_is_rejected():
+    """min(1, p / q) per sibling, q the draft's probability: the candidates were not drawn from q."""
+    target, draft = models(0)
+    params = Params.make(DRAWS, DRAWS, torch.device("cpu"), temperature=1.0, seed=0)
+    stat, df, p = two_sample(first_two(target, draft, params, 1.0, chain_rule=True), plain(target, 1.0, 100), V)
+    assert p < ALPHA, f"the chain rule not rejected: chi-square {stat:.1f} on {df} df, p = {p:.2e}"
 
 
 def test_greedy_rows_of_a_sampled_batch_accept_greedily():
