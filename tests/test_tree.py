@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specpass.loop import tree_math
-from specpass.loop.tree_math import Tree, accept_greedy, accept_sampled, ancestors, draft_tree
+from specpass.loop.tree_math import Tree, accept_greedy, accept_sampled, ancestors, draft_tree, expand
 from specpass.sampling import Params
 
 ALPHA = 1e-3
@@ -98,7 +98,7 @@ def test_draft_tree_matches_the_reference(k, steps, n, peaked):
             assert (torch.log_softmax(table, -1)[..., 0] == 0).all()
         root = torch.randint(V, (B,), generator=g)
         seen = []
-        tree = draft_tree(root, root_logits, table_head(table, seen), None, k, steps, n)
+        tree = draft_tree(root, expand(root_logits, k), table_head(table, seen), None, steps, n)
         lp_root = torch.log_softmax(root_logits, -1).numpy()
         lp_table = torch.log_softmax(table, -1).numpy()
         for b in range(B):
@@ -123,7 +123,7 @@ def test_the_rounds_compile_whole():
         return table[i][tokens] + mask.sum(-1, keepdim=True), state  # the mask reaches the graph
 
     def round_(root, root_logits, params):
-        tree = draft_tree(root, root_logits, head, None, k, steps, n)
+        tree = draft_tree(root, expand(root_logits, k), head, None, steps, n)
         logits = table[0][tree.tokens]
         return tree, accept_greedy(tree, logits.argmax(-1), steps), accept_sampled(tree, logits, params, root, steps)
 
@@ -213,7 +213,7 @@ def speculative(target, draft, root, pos, params, chain_rule=False):
     the wrong rule min(1, p / q) per sibling, q the draft's probability of the node."""
     def head(tokens, parent_row, i, mask, state):
         return draft[tokens], state
-    tree = draft_tree(root, draft[root], head, None, K, STEPS, NODES)
+    tree = draft_tree(root, expand(draft[root], K), head, None, STEPS, NODES)
     if not chain_rule:
         got = accept_sampled(tree, target[tree.tokens], params, pos, STEPS)
         return got.y, got.a
@@ -288,7 +288,7 @@ def test_greedy_rows_of_a_sampled_batch_accept_greedily():
     B, steps = 32, 3
     target, draft = models(3)
     root = torch.randint(V, (B,), generator=g)
-    tree = draft_tree(root, draft[root], lambda t, r, i, m, s: (draft[t], s), None, K, steps, NODES)
+    tree = draft_tree(root, expand(draft[root], K), lambda t, r, i, m, s: (draft[t], s), None, steps, NODES)
     logits = target[tree.tokens]
     params = Params.make(B, B, torch.device("cpu"), temperature=[0.0] * (B // 2) + [1.0] * (B // 2), seed=1)
     got = accept_sampled(tree, logits, params, torch.zeros(B, dtype=torch.long), steps)

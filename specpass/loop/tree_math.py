@@ -8,7 +8,7 @@ ordered so that a parent precedes its children.
 
 Drafting (`draft_tree`), with topk children per node and `steps` levels:
 
-    step 0     the top-k of the root's distribution (the catch-up's) -> frontier F_0 (depth 1)  [B, k]
+    step 0     the top-k of the root's distribution (made by the catch-up) -> F_0 (depth 1)     [B, k]
     step i     the head on F_{i-1}'s k rows -> each row's own top-k: k*k candidates scored by
     (1..s-1)   cumulative log-probability; F_i = the best k of them                              [B, k]
     select     the best N-1 of every candidate ever made, plus the root, in creation order
@@ -55,18 +55,19 @@ def expand(logits: Tensor, topk: int) -> tuple[Tensor, Tensor]:
     return torch.log_softmax(logits.float(), -1).topk(topk, -1)
 
 
-def draft_tree(root: Tensor, root_logits: Tensor, head: Head, state: Any, topk: int, steps: int, n: int,
+def draft_tree(root: Tensor, first: tuple[Tensor, Tensor], head: Head, state: Any, steps: int, n: int,
                to_target: Callable[[Tensor], Tensor] | None = None) -> Tree:
-    """EAGLE-2/3's dynamic tree: root x_n [B], the root's draft logits [B, V] -> the best n nodes
-    (root included) of a tree of depth `steps`, topk children per node. `head` runs the draft on one
-    frontier (see the module's docstring); `state` is its own (the hidden states), passed through.
-    to_target maps draft ids to target ids (None: the same vocabulary)."""
-    B, k, dev = root.shape[0], topk, root.device
+    """EAGLE-2/3's dynamic tree: root x_n [B], and F_0 = `expand` of the root's draft logits (log-
+    probabilities, draft ids [B, k]: made by the catch-up, so the round carries [B, k], not [B, V])
+    -> the best n nodes (root included) of a tree of depth `steps`, k children per node. `head` runs
+    the draft on one frontier (see the module's docstring); `state` is its own (the hidden states),
+    passed through. to_target maps draft ids to target ids (None: the same vocabulary)."""
+    score, tok = first  # [B, k] F_0
+    B, k, dev = root.shape[0], tok.shape[1], root.device
     if not 1 <= n <= 1 + k + (steps - 1) * k * k:
         raise ValueError(f"num_draft_tokens {n} must be in [1, {1 + k + (steps - 1) * k * k}] at topk {k}, "
                          f"steps {steps}")
     to_target = to_target or (lambda ids: ids)
-    score, tok = expand(root_logits, k)  # [B, k] F_0
     front = to_target(tok)  # [B, k] the frontier's tokens
     tokens, scores = [root[:, None], front], [score.new_zeros(B, 1), score]
     parents = [torch.full((B, 1), -1, device=dev), torch.zeros(B, k, dtype=torch.long, device=dev)]
