@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from specpass.loop import tree_math
-from specpass.loop.tree_math import Tree, accept_greedy, accept_sampled, ancestors, draft_tree, expand
+from specpass.loop.tree_math import (
+    Tree,
+    accept_greedy,
+    accept_sampled,
+    ancestors,
+    draft_tree,
+    expand,
+)
 from specpass.sampling import Params
 
 ALPHA = 1e-3
@@ -28,15 +35,16 @@ ALPHA = 1e-3
 def ref_draft(root_lp: np.ndarray, table: np.ndarray, root: int, k: int, steps: int, n: int):
     """EAGLE-2's tree for one request, in Python: root_lp [V] fp32 log-probs of depth 1, table
     [steps, V, V] fp32 log-probs of a child given (depth of the parent, its token) -> (tokens,
-    parents, depth, and per head call i its mask [k, i*k] and parent rows [k]). Candidates: (score, creation index)."""
+    parents, depth, and per head call i its mask [k, i*k] and parent rows [k]). Scores are summed
+    in fp32 in the order the tree sums them; the final cut breaks ties by creation order."""
     def top(lp):  # the k best (token, log-prob), best first
         order = sorted(range(len(lp)), key=lambda v: (-lp[v], v))[:k]
         return [(v, lp[v]) for v in order]
 
-    nodes = [dict(tok=root, score=np.float32(0), parent=-1, depth=0)]
+    nodes = [{"tok": root, "score": np.float32(0), "parent": -1, "depth": 0}]
     frontier = []  # node ids
     for v, lp in top(root_lp):
-        nodes.append(dict(tok=v, score=np.float32(lp), parent=0, depth=1))
+        nodes.append({"tok": v, "score": np.float32(lp), "parent": 0, "depth": 1})
         frontier.append(len(nodes) - 1)
     slots = [list(frontier)]  # node id in each head slot, by block
     masks, rows = [], []  # per head call: its mask, each row's parent row in the previous call
@@ -47,8 +55,8 @@ def ref_draft(root_lp: np.ndarray, table: np.ndarray, root: int, k: int, steps: 
         cands = []
         for f in frontier:
             for v, lp in top(table[i][nodes[f]["tok"]]):
-                nodes.append(dict(tok=v, score=np.float32(nodes[f]["score"] + np.float32(lp)), parent=f,
-                                  depth=i + 1))
+                nodes.append({"tok": v, "score": np.float32(nodes[f]["score"] + np.float32(lp)), "parent": f,
+                                  "depth": i + 1})
                 cands.append(len(nodes) - 1)
         frontier = sorted(cands, key=lambda c: -nodes[c]["score"])[:k]
         slots.append(list(frontier))
@@ -225,7 +233,8 @@ def speculative(target, draft, root, pos, params, chain_rule=False):
     return got.y, got.a
 
 
-def first_two(target, draft, params, temperature, chain_rule=False):
+def first_two(target, draft, params, chain_rule=False):
+    """The first two tokens each request emits from root 0 at position 5: [B, 2]."""
     B = params.seed.shape[0]
     root, pos = torch.zeros(B, dtype=torch.long), torch.full((B,), 5)
     y, a = speculative(target, draft, root, pos, params, chain_rule)
@@ -237,6 +246,7 @@ def first_two(target, draft, params, temperature, chain_rule=False):
 
 
 def plain(target, temperature, seed):
+    """DRAWS pairs by plain sampling from the target's Markov chain from token 0 (torch's sampler)."""
     g = torch.Generator().manual_seed(seed)
     p = torch.softmax(target / temperature, -1)
     x1 = torch.multinomial(p[torch.zeros(DRAWS, dtype=torch.long)], 1, generator=g)[:, 0]
@@ -248,7 +258,7 @@ def plain(target, temperature, seed):
 def test_sampled_acceptance_keeps_the_distribution(seed, temperature, top_k):
     target, draft = models(seed)
     params = Params.make(DRAWS, DRAWS, torch.device("cpu"), temperature=temperature, top_k=top_k, seed=seed)
-    ours = first_two(target, draft, params, temperature)
+    ours = first_two(target, draft, params)
     if top_k is None:
         ref = plain(target, temperature, seed + 100)
     else:  # the top-k cut applied to the target's logits, as plain sampling applies it
@@ -271,7 +281,7 @@ def test_a_wrong_rule_is_rejected(name, wrong, monkeypatch):
     monkeypatch.setattr(tree_math, name, wrong)
     target, draft = models(0)
     params = Params.make(DRAWS, DRAWS, torch.device("cpu"), temperature=1.0, seed=0)
-    stat, df, p = two_sample(first_two(target, draft, params, 1.0), plain(target, 1.0, 100), V)
+    stat, df, p = two_sample(first_two(target, draft, params), plain(target, 1.0, 100), V)
     assert p < ALPHA, f"{name} -> {wrong.__name__} not rejected: chi-square {stat:.1f} on {df} df, p = {p:.2e}"
 
 
@@ -279,7 +289,7 @@ def test_the_chain_rule_on_siblings_is_rejected():
     """min(1, p / q) per sibling, q the draft's probability: the candidates were not drawn from q."""
     target, draft = models(0)
     params = Params.make(DRAWS, DRAWS, torch.device("cpu"), temperature=1.0, seed=0)
-    stat, df, p = two_sample(first_two(target, draft, params, 1.0, chain_rule=True), plain(target, 1.0, 100), V)
+    stat, df, p = two_sample(first_two(target, draft, params, chain_rule=True), plain(target, 1.0, 100), V)
     assert p < ALPHA, f"the chain rule not rejected: chi-square {stat:.1f} on {df} df, p = {p:.2e}"
 
 
