@@ -187,6 +187,30 @@ def test_greedy_acceptance_matches_the_reference():
             assert got.y[b, :a + 1].tolist() == [int(tree.tokens[b, j]) for j in path[1:]] + [bonus], (seed, b)
 
 
+def test_tree_rounds_decode_as_plain_greedy_decoding():
+    """Rounds of draft_tree + accept_greedy on Markov models (logits of the next token given the
+    last) emit exactly the target's greedy chain, with drafts accepted along the way."""
+    Vm, B, rounds = 16, 8, 12
+    g = torch.Generator().manual_seed(5)
+    target = torch.randn(Vm, Vm, generator=g)
+    draft = target + 0.7 * torch.randn(Vm, Vm, generator=g)
+    last = torch.arange(B)
+    emitted, accepted = [[int(t)] for t in last], 0
+    for _ in range(rounds):
+        tree = draft_tree(last, expand(draft[last], 3), lambda t, r, i, m, s: (draft[t], s), None, 4, 12)
+        got = accept_greedy(tree, target[tree.tokens].argmax(-1), 4)
+        for b in range(B):
+            emitted[b] += got.y[b, :int(got.a[b]) + 1].tolist()
+        accepted += int(got.a.sum())
+        last = got.y.gather(1, got.a[:, None])[:, 0]
+    for b in range(B):
+        want = [b]
+        while len(want) < len(emitted[b]):
+            want.append(int(target[want[-1]].argmax()))
+        assert emitted[b] == want, b
+    assert accepted > B * rounds  # more than one draft per round on average: the tree was used
+
+
 # --- sampled acceptance
 
 V, K, STEPS, NODES, DRAWS = 8, 3, 3, 8, 20_000
