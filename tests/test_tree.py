@@ -278,16 +278,32 @@ def plain(target, temperature, seed):
     return torch.stack([x1, x2], 1)
 
 
-@pytest.mark.parametrize("seed,temperature,top_k", [(0, 1.0, None), (1, 0.6, None), (2, 1.0, 5)])
-def test_sampled_acceptance_keeps_the_distribution(seed, temperature, top_k):
+def cut(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Plain sampling's filters, row by row in Python: keep the top_k largest logits, then, in
+    descending order, those whose mass before them (at the temperature, after top-k) is < top_p;
+    the rest -inf."""
+    out = torch.full_like(logits, float("-inf"))
+    for r, row in enumerate(logits.tolist()):
+        order = sorted(range(len(row)), key=lambda v: -row[v])[:top_k or len(row)]
+        p = torch.softmax(torch.tensor([row[v] for v in order]) / temperature, 0).tolist()
+        before = 0.0
+        for v, pv in zip(order, p):
+            if top_p is not None and before >= top_p:
+                break
+            out[r, v] = row[v]
+            before += pv
+    return out
+
+
+@pytest.mark.parametrize("seed,temperature,top_k,top_p", [(0, 1.0, None, None), (1, 0.6, None, None),
+                                                          (2, 1.0, 5, None), (3, 0.8, None, 0.8),
+                                                          (4, 0.7, 5, 0.9)])
+def test_sampled_acceptance_keeps_the_distribution(seed, temperature, top_k, top_p):
     target, draft = models(seed)
-    params = Params.make(DRAWS, DRAWS, torch.device("cpu"), temperature=temperature, top_k=top_k, seed=seed)
+    params = Params.make(DRAWS, DRAWS, torch.device("cpu"), temperature=temperature, top_k=top_k, top_p=top_p,
+                         seed=seed)
     ours = first_two(target, draft, params)
-    if top_k is None:
-        ref = plain(target, temperature, seed + 100)
-    else:  # the top-k cut applied to the target's logits, as plain sampling applies it
-        cut = target.masked_fill(target < target.topk(top_k, -1).values[:, -1:], float("-inf"))
-        ref = plain(cut, temperature, seed + 100)
+    ref = plain(cut(target, temperature, top_k, top_p), temperature, seed + 100)
     stat, df, p = two_sample(ours, ref, V)
     assert p > ALPHA, f"chi-square {stat:.1f} on {df} df, p = {p:.2e} <= α = {ALPHA:.0e}"
 
