@@ -182,27 +182,34 @@ def accept_sampled(tree: Tree, logits: Tensor, params: Params, pos: Tensor, step
     token drawn at the end (TARGET, its position), as the chain's are."""
     B, N = tree.tokens.shape
     dev = logits.device
-    p = logprobs(logits, params, floor_of(logits, params)).exp()  # [B, N, V]
-    p_node = p.gather(2, tree.tokens[:, None, :].expand(B, N, N))  # [B, N(at), N(node)] p after `at` of node
+    rows, cols = torch.arange(B, device=dev), torch.arange(N, device=dev)
+
+    def target_at(node: Tensor) -> Tensor:
+        """log p [B, V] after each request's node [B]: one row per request and level, never the
+        [B, N, V] of every node (0.5 GiB of fp32 at bs 32, 32 nodes, V 128256)."""
+        x = logits[rows, node]
+        return logprobs(x, params, floor_of(x, params))
+
     positions = pos[:, None] + torch.arange(steps + 1, device=dev)  # [B, steps+1]
-    u = uniform(key(params.seed, positions, ACCEPT), torch.arange(N, device=dev))  # [B, steps+1, N]
+    u = uniform(key(params.seed, positions, ACCEPT), cols)  # [B, steps+1, N]
     u = u.gather(1, tree.depth[:, None, :])[:, 0]  # [B, N] node j's at its own position
-    cols = torch.arange(N, device=dev)
     node = torch.zeros(B, dtype=torch.long, device=dev)
     walking = torch.ones(B, dtype=torch.bool, device=dev)
+    log_p = target_at(node)
     for _ in range(steps):
         children = (tree.parents == node[:, None]) & walking[:, None]  # [B, N]
-        p_c = torch.where(children, p_node.gather(1, node[:, None, None].expand(B, 1, N))[:, 0], 0.0)
+        p_c = torch.where(children, log_p.gather(1, tree.tokens).exp(), 0.0)  # [B, N] p of each child
         left = 1 - (p_c.cumsum(1) - p_c)  # mass left after the earlier siblings' rejection
         took = children & sibling_accepts(u, p_c, left)
         first = torch.where(took, N - cols, 0).argmax(1)  # the lowest index accepted
         walking = took.any(1)
         node = torch.where(walking, first, node)
+        log_p = target_at(node)
     # Stopped at `node`: every child was rejected (a leaf has none) -> the residual there.
     # (a scatter-add: non-children add 0 wherever they point, so no write races a child's)
-    rejected = p.new_zeros(B, p.shape[-1]).scatter_add(1, tree.tokens, (tree.parents == node[:, None]).float()) > 0
+    rejected = log_p.new_zeros(log_p.shape).scatter_add(1, tree.tokens, (tree.parents == node[:, None]).float()) > 0
     a = tree.depth.gather(1, node[:, None])[:, 0]
-    token = gumbel_argmax(residual_of(p[torch.arange(B, device=dev), node], rejected),
+    token = gumbel_argmax(residual_of(log_p.exp(), rejected),
                           key(params.seed, pos + a + 1, TARGET))
     path = _path(tree, node, steps)
     return Accepted(_emitted(tree, path, a, token), a, path)
