@@ -31,11 +31,11 @@ from specpass.loop import runtime
 from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts, check_timing,
                                   check_tuning, device_of, is_int, probe)
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, price
-from specpass.loop.protocols import Drafter, Target
+from specpass.loop.protocols import Drafter, Target, TreeDrafter, TreeTarget
 from specpass.loop.runtime import DoneFlags, PhaseTimer, clock, compiler, replayed
 from specpass.loop.shapes import PLAIN, RoundShape, round_shape
 from specpass.loop.steps import Carry, State, Steps, carried, decode_round, prefill_step
-from specpass.loop.tree import TreeShape, depth
+from specpass.loop.tree import TREES, TreeShape, depth
 from specpass.sampling import Params, per_request
 
 
@@ -282,9 +282,10 @@ class Decoder:
 
     def tune_k(self, prompts: Sequence[Sequence[int]], ks: Sequence[int] = (2, 6), *,
                acceptance: Sequence[float] | None = None, new_tokens: tuple[int, int] = (8, 40),
-               repeats: int = 3, max_timings: int = 4,
-               on_timed: Callable[[int, float], None] | None = None) -> KChoice:
-        """Choose K for this batch size from measured costs, then decode with it (`choose_k`).
+               repeats: int = 3, max_timings: int = 4, off: bool = True, trees: Sequence[TreeShape] | None = None,
+               on_timed: Callable[[Any, float], None] | None = None) -> KChoice:
+        """Choose the round for this batch size from measured costs: plain decoding (K 0), the
+        chain's best K, or a tree shape; then decode with it.
 
         Each K in `ks` is compiled (and kept: switching back costs nothing) and its ms per round
         timed on `prompts` (`round_ms` with `new_tokens` = (short, long) and `repeats`); a round's
@@ -295,13 +296,25 @@ class Decoder:
         prompts and `new_tokens[1]`, priced by `price`. Then a local search: while the best-priced K
         or a neighbour K +- 1 is untimed, time the one `next_k_to_time` names and price again, at
         most `max_timings` times; so the chosen K is measured, and better than its measured
-        neighbours. on_timed(k, ms) is called after each K is timed.
+        neighbours.
+
+        Then, against that K's tokens per ms: plain decoding (off=True), timed (a round emits one
+        token), and each shape of `trees` (None: `TREES` when the drafter and the target draft trees,
+        else none), timed with its accepted length measured on `prompts` (a tree's acceptance is its
+        own: no chain run gives it). The most tokens per ms wins. on_timed(k, ms) is called after each
+        K or shape is timed.
         """
         if self.drafter is None:
             raise ValueError("plain decoding (drafter=None) drafts nothing: there is no K to tune")
         timed = check_tuning(ks, acceptance, new_tokens, repeats, max_timings)
+        if trees is None:
+            trees = TREES if self._drafts_trees() else ()
+        for tree in trees:
+            check_k(self.drafter, tree)
+            if not isinstance(tree, TreeShape):
+                raise ValueError(f"trees must hold specpass.TreeShape values, got {tree!r}")
         short, long = new_tokens
-        for k in timed:  # every K fits the caches, checked before anything compiles
+        for k in [*timed, *trees]:  # every K fits the caches, checked before anything compiles
             try:
                 self._check_prompts(prompts, [long] * len(prompts), k)
             except ValueError as exc:
@@ -326,12 +339,23 @@ class Decoder:
             best = choose_k(round_ms, candidates)
             why[k] = "priced best" if k == best else f"neighbour of K {best}, priced best"
             round_ms[k], _ = time_k(k)
-        chosen = choose_k(round_ms, candidates)
-        self.use_k(chosen)
+        verified = k is None
         rates = {k: expected_accept_length(acceptance[:k]) / ms for k, ms in price(round_ms, len(candidates)).items()}
-        return KChoice(chosen, round_ms, acceptance, rates, why, verified=k is None)
+        chosen, per_depth = choose_k(round_ms, candidates), {}
+        for k in [0] * off + list(trees):
+            round_ms[k], per_depth[k] = time_k(k)
+            why[k] = "the drafter off: plain decoding" if k == 0 else "a tree shape"
+            rates[k] = expected_accept_length(per_depth[k]) / round_ms[k]
+            if rates[k] > rates[chosen]:
+                chosen = k
+        self.use_k(chosen)
+        return KChoice(chosen, round_ms, acceptance, rates, why, verified,
+                       {k: v for k, v in per_depth.items() if k != 0})
 
     # --- the loop's parts
+
+    def _drafts_trees(self) -> bool:
+        return isinstance(self.drafter, TreeDrafter) and isinstance(self.target, TreeTarget)
 
     def _request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  eos_id: int | Sequence[int] | None, temperature: Any, top_k: Any, top_p: Any,

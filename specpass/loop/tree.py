@@ -59,6 +59,9 @@ class TreeShape:
         return f"tree {self.topk},{self.steps},{self.tokens}"
 
 
+TREES = (TreeShape(4, 5, 16), TreeShape(4, 7, 32))  # what `Decoder.tune_k` tries by default (docs/loop.md)
+
+
 def depth(k: int | TreeShape) -> int:
     """The drafts a round can accept: K, or a tree's steps (the length of `Metrics.acceptance`)."""
     return k.steps if isinstance(k, TreeShape) else k
