@@ -256,8 +256,9 @@ def sweep(args, save) -> list[dict]:
         if f"{drafter}/{loop}" in args.variants:
             sweep_k = [k for k in args.k_sweep if k != args.k] if f"{drafter}/{loop}" in args.swept else []
             loops += [(f"{drafter}/{loop}", drafter, compile, fused, k) for k in [args.k, *sweep_k]]
-            if f"{drafter}/{loop}" == SWEPT[0]:
-                loops += [(f"{drafter}/{loop}", drafter, compile, fused, tree) for tree in args.trees]
+            if f"{drafter}/{loop}" == SWEPT[0]:  # the EAGLE-3 head's trees (when swept), its own choice
+                loops += [(f"{drafter}/{loop}", drafter, compile, fused, tree) for tree in args.trees
+                          if f"{drafter}/{loop}" in args.swept]
                 loops += [(f"{drafter}/{loop}/tuned", drafter, compile, fused, TUNED)] * args.tuned
     for bs in args.bs:
         prompts = bench.batch(bs)
