@@ -67,7 +67,7 @@ def draft_tree(root: Tensor, first: tuple[Tensor, Tensor], head: Head, state: An
     if not 1 <= n <= 1 + k + (steps - 1) * k * k:
         raise ValueError(f"num_draft_tokens {n} must be in [1, {1 + k + (steps - 1) * k * k}] at topk {k}, "
                          f"steps {steps}")
-    to_target = to_target or (lambda ids: ids)
+    to_target = (lambda ids: ids) if to_target is None else to_target  # not `or`: torch 2.11 cannot bool() a method
     front = to_target(tok)  # [B, k] the frontier's tokens
     tokens, scores = [root[:, None], front], [score.new_zeros(B, 1), score]
     parents = [torch.full((B, 1), -1, device=dev), torch.zeros(B, k, dtype=torch.long, device=dev)]
