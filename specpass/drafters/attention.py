@@ -80,6 +80,10 @@ class Attention(nn.Module):
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        copy_cache(self.k_cache, src, dst)
+        copy_cache(self.v_cache, src, dst)
+
     def project(self, x: torch.Tensor,
                 rope_cs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """x `[B, T, in]` -> q `[B, T, n_heads, d]`, k, v `[B, T, n_kv, d]` (q, k roped), gate

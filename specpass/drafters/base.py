@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from specpass.drafters.attention import attention_mask, copy_cache
+from specpass.drafters.attention import attention_mask
 
 
 def select_live(x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
@@ -59,15 +59,12 @@ class CachedModel(nn.Module):
         self.mask(positions)  # the call checked against the caches
         return slots, mask
 
-    def caches(self) -> list[torch.Tensor]:
-        """Every cache buffer: the `[max_batch, max_len, ...]` buffers of the modules `setup_caches` allocates."""
-        return [buf for module in self.modules() if module is not self and hasattr(module, "setup_cache")
-                for buf in module.buffers(recurse=False) if buf.shape[:2] == (self.cache_batch, self.cache_len)]
-
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Every cache: slot dst[b, t] takes slot src[b, t]'s K/V ([B, T])."""
-        for cache in self.caches():
-            copy_cache(cache, src, dst)
+        """Every cache: slot dst[b, t] takes slot src[b, t]'s K/V ([B, T]). Each layer copies its own
+        buffers, read as its attributes: so Dynamo keeps them static (CUDA graphs do not copy them)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "setup_cache"):
+                module.copy_slots(src, dst)
 
 
 class Draft(CachedModel):
