@@ -25,7 +25,7 @@ from models import zoo
 from models.drafters import ZooDrafter
 from models.eagle3 import Eagle3Config
 from models.text import encode
-from specpass.hf.adapters import HFTarget
+from specpass.hf.adapters import HFDrafter, HFTarget
 
 V, NEW, K = 96, 12, 4
 SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)  # decisive logits
@@ -356,38 +356,45 @@ def test_tree_rounds_read_positions_masks_and_windows_as_the_model_does(family, 
     assert out.metrics.accept_length > 1
 
 
+PROMPT, SLOTS = IDS[1:, 3:], 16  # two requests' 4-token prompts [2, 4], at positions 0..3
+X, A, B, C, D = 10, 20, 30, 40, 50  # a tree x -> (a, b), b -> c after the prompt; d after x, b, c
+CLOSE = dict(rtol=1e-4, atol=1e-4)  # a 16-slot cache against the branch alone: other summation orders
+
+
+def own_logits(model, branch):
+    """transformers' own last-row logits for each request's prompt + branch: [2, V]."""
+    return model(torch.cat([PROMPT, torch.tensor([branch]).expand(2, -1)], 1)).logits[:, -1]
+
+
+def tree_call(tokens, positions, slots, ancestors, prefix):
+    """The rows' [2, T] tokens, positions and slots, and the [2, 1, T, SLOTS] mask: slots < prefix
+    and the rows' ancestors (ancestors [T, T], among the rows' own slots)."""
+    mask = torch.zeros(2, 1, len(tokens), SLOTS, dtype=torch.bool)
+    mask[..., :prefix] = True
+    mask[..., slots[0]:slots[0] + len(slots)] = torch.tensor(ancestors, dtype=torch.bool)
+    return [torch.tensor([row]).expand(2, -1) for row in (tokens, positions, slots)] + [mask]
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_forward_tree_is_transformers_forward_along_each_branch(attention):
-    """After a 4-token prompt, a tree x -> (a, b), b -> c: each node's logits are those
+    """After the prompt, the tree x -> (a, b), b -> c at slots 4..7: each node's logits are those
     transformers' own forward gives its branch; a chain-shaped tree (slots = positions, the causal
     mask) gives the plain forward's; copy_slots moves b's and c's K/V into slots 5 and 6, where
     the next token (at position 7) reads them as the chain x, b, c."""
     model = build("llama", attn_implementation=attention)
-    target, S = HFTarget(model), 16
-    target.setup_caches(2, S)
-    prompt, (x, a, b, c, d) = IDS[1:, 3:], (10, 20, 30, 40, 50)  # [2, 4] at positions 0..3
-    close = dict(rtol=1e-4, atol=1e-4)  # a 16-slot cache against the branch alone: other summation orders
-
-    def theirs(branch):  # transformers' own last-row logits for each request's prompt + branch [2, V]
-        return model(torch.cat([prompt, torch.tensor([branch]).expand(2, -1)], 1)).logits[:, -1]
-
+    target = HFTarget(model)
+    target.setup_caches(2, SLOTS)
     with torch.no_grad():
-        target(prompt, torch.arange(4).expand(2, -1))
-        chain = torch.tensor([[x, b, c]]).expand(2, -1)
-        at = torch.arange(4, 7).expand(2, -1)
-        plain = target(chain, at)
-        causal = (torch.arange(S) <= at[..., None])[:, None]  # [2, 1, 3, S]
-        torch.testing.assert_close(target.forward_tree(chain, at, at, causal, None)[0], plain, rtol=0, atol=0)
+        target(PROMPT, torch.arange(4).expand(2, -1))
+        chain = tree_call([X, B, C], [4, 5, 6], [4, 5, 6], [[1, 0, 0], [1, 1, 0], [1, 1, 1]], 4)
+        torch.testing.assert_close(target.forward_tree(*chain, None)[0], target(*chain[:2]), rtol=0, atol=0)
 
-        tokens = torch.tensor([[x, a, b, c]]).expand(2, -1)
-        positions, slots = torch.tensor([[4, 5, 5, 6]]).expand(2, -1), torch.arange(4, 8).expand(2, -1)
-        ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
-        mask = torch.zeros(2, 1, 4, S, dtype=torch.bool)
-        mask[..., :4], mask[..., 4:8] = True, ancestors
-        logits, hidden = target.forward_tree(tokens, positions, slots, mask, None)
+        ancestors = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
+        tree = tree_call([X, A, B, C], [4, 5, 5, 6], [4, 5, 6, 7], ancestors, 4)
+        logits, hidden = target.forward_tree(*tree, None)
         assert hidden is None
-        for row, branch in enumerate([[x], [x, a], [x, b], [x, b, c]]):
-            torch.testing.assert_close(logits[:, row], theirs(branch), **close)
+        for row, branch in enumerate([[X], [X, A], [X, B], [X, B, C]]):
+            torch.testing.assert_close(logits[:, row], own_logits(model, branch), **CLOSE)
 
         before = [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
         # accept b, c: slot 6 is read, then written
@@ -395,8 +402,28 @@ def test_forward_tree_is_transformers_forward_along_each_branch(attention):
         for layer, (keys, values) in zip(target.cache.layers, before):
             for now, was in ((layer.keys, keys), (layer.values, values)):
                 assert torch.equal(now[:, :, 5:7], was[:, :, 6:8]) and torch.equal(now[:, :, :5], was[:, :, :5])
-        torch.testing.assert_close(target(torch.tensor([[d]]).expand(2, -1), torch.full((2, 1), 7))[:, -1],
-                                   theirs([x, b, c, d]), **close)
+        torch.testing.assert_close(target(torch.tensor([[D]]).expand(2, -1), torch.full((2, 1), 7))[:, -1],
+                                   own_logits(model, [X, B, C, D]), **CLOSE)
+
+
+def test_draft_tree_step_is_the_drafts_forward_along_each_branch():
+    """A standalone draft's tree step on a and b (position 5) and c under b (position 6), written at
+    slots 10..12 (past the catch-up's, as the loop lays out a draft's tree) after a catch-up on the
+    prompt and x: each row's logits are the draft's own forward on its branch; the empty hidden it
+    is given comes back."""
+    draft = build("llama", noise=0.1)
+    drafter = HFDrafter(draft)
+    drafter.setup_caches(2, SLOTS)
+    with torch.no_grad():
+        drafter.catch_up(torch.cat([PROMPT, torch.full((2, 1), X)], 1), torch.arange(5).expand(2, -1), None,
+                         torch.full((2,), 4))
+        tokens, positions, slots, mask = tree_call([A, B, C], [5, 5, 6], [10, 11, 12],
+                                                   [[1, 0, 0], [0, 1, 0], [0, 1, 1]], 5)
+        empty = torch.zeros(2, 3, 0)
+        logits, hidden = drafter.draft_tree_step(tokens, positions, slots, empty, mask)
+        assert hidden is empty
+        for row, branch in enumerate([[X, A], [X, B], [X, B, C]]):
+            torch.testing.assert_close(logits[:, row], own_logits(draft, branch), **CLOSE)
 
 
 def test_the_tree_shape_is_part_of_the_decoder_key():
