@@ -97,8 +97,9 @@ def draft_tree(root: Tensor, first: tuple[Tensor, Tensor], head: Head, state: An
     best = torch.sort(all_scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :n - 1] + 1
     keep = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), best.sort(1).values], 1)  # [B, n]
     where = torch.full_like(all_tokens, -1).scatter(1, keep, torch.arange(n, device=dev).expand(B, n))  # [B, M]
-    node_parents = where.gather(1, all_parents.gather(1, keep).clamp_min(0))
-    node_parents[:, 0] = -1
+    # (no `x[:, 0] = -1`: a scalar written in place is a tensor constant in the captured graph, which
+    # keeps specpass from giving AOTAutograd Dynamo's static inputs, and CUDA graphs then skip the round)
+    node_parents = torch.where(torch.arange(n, device=dev) == 0, -1, where.gather(1, all_parents.gather(1, keep).clamp_min(0)))
     # creation order: the root, k nodes at depth 1, then k*k per depth
     made = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.ones(k, dtype=torch.long, device=dev),
                       torch.arange(2, steps + 1, device=dev).repeat_interleave(k * k)])  # [M]
@@ -146,10 +147,10 @@ def accept_greedy(tree: Tree, target_next: Tensor, steps: int) -> Accepted:
     """target_next [B, N] the target's arg-max after each node -> the deepest node whose whole path
     is the target's greedy tokens (the first such node when several: only duplicate siblings tie),
     and the bonus token after it. Exactly plain greedy decoding."""
-    hit = tree.tokens == target_next.gather(1, tree.parents.clamp_min(0))  # [B, N] node = greedy after parent
-    hit[:, 0] = True
-    ok = ~(tree.mask & ~hit[:, None, :]).any(-1)  # [B, N] the whole path is greedy
     N = tree.tokens.shape[1]
+    root = torch.arange(N, device=tree.tokens.device) == 0
+    hit = (tree.tokens == target_next.gather(1, tree.parents.clamp_min(0))) | root  # [B, N] node = greedy after parent
+    ok = ~(tree.mask & ~hit[:, None, :]).any(-1)  # [B, N] the whole path is greedy
     # Deepest first, then the lowest index: one arg-max over depth * N - index.
     node = torch.where(ok, tree.depth * N - torch.arange(N, device=ok.device), -1).argmax(1)
     a = tree.depth.gather(1, node[:, None])[:, 0]
