@@ -152,7 +152,8 @@ class Bench:
             decoders[variant] = decoder = self.decoders[variant, len(prompts), max_len]
             if k == TUNED:  # the loop's own choice, timed on these prompts (the GPU its own while it times)
                 with harness.exclusive(self.args.gpu_lock):
-                    choice = decoder.tune_k(prompts, self.args.tune_ks, trees=self.args.trees)
+                    choice = decoder.tune_k(prompts, self.args.tune_ks, trees=self.args.trees,
+                                            new_tokens=self.args.tune_tokens)
                 print(f"    tune_k chose {choice.k}: tokens/ms {({str(c): round(v, 3) for c, v in choice.tokens_per_ms.items()})}",
                       file=sys.stderr)
             first = decoder.generate(prompts, new, **sampling)  # compiles, records the CUDA graphs
@@ -441,6 +442,9 @@ def main() -> None:
                         help="also the loop's own choice: Decoder.tune_k among plain, chain K and --trees")
     parser.add_argument("--tune-ks", default="2,6", type=lambda s: [int(x) for x in s.split(",")],
                         help="the chain K --tuned times first")
+    parser.add_argument("--tune-tokens", default="8,40", type=lambda s: tuple(int(x) for x in s.split(",")),
+                        help="--tuned: the new tokens of the short and the long generate each K is timed by "
+                             "(the long one also measures the acceptance)")
     parser.add_argument("--gpu-lock", type=Path,
                         help="a file: processes started side by side with it compile at once and take turns to time")
     parser.add_argument("--new-tokens", type=int, default=256)
