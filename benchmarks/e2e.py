@@ -137,7 +137,8 @@ class Bench:
 
         new = self.args.new_tokens
         ks = [k for v in variants for k in ([*range(1, 9), *self.args.trees] if v[4] == TUNED else [v[4]])]
-        max_len = max(cache_slots(max(map(len, prompts)), new, k) for k in ks)  # enough for every drafter and K
+        longest = max(new, *(self.args.tune_tokens if any(v[4] == TUNED for v in variants) else ()))
+        max_len = max(cache_slots(max(map(len, prompts)), longest, k) for k in ks)  # every drafter, K and tuning
         sampling = sampling or {}
         decoders, results = {}, {}
         for variant in variants:
