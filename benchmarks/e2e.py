@@ -5,6 +5,8 @@
     python -m benchmarks.e2e --plot docs/e2e.json                # docs/e2e.png and the table (CPU, no GPU)
     python -m benchmarks.e2e --device cpu --quick                # a smoke test of the script
     python -m benchmarks.e2e --sampling 0,0.6,1.0,0.6:0.95 --out docs/e2e_sampling.json   # sampled
+    python -m benchmarks.e2e --bs 1 --variants eagle3/specpass-fused --k-sweep 5,6,7,8 \
+        --trees "2,4,8;4,5,16;8,5,32;4,7,32" --tuned --no-check --out docs/e2e_tree.json     # tree rounds
 
 Variants, all greedy, on the held-out prompts (checkpoints/prompts.json), no EOS, the same number
 of new tokens per request:
@@ -19,9 +21,13 @@ of new tokens per request:
                  draft forward per round)} and LOOP in {inductor-apart (plain Inductor, one graph
                  per step), specpass-apart, specpass-fused (one graph per round)}
 K = 4 for every loop, and each K of --k-sweep for eagle3/specpass-fused and parallel/specpass-fused
-(or the --swept ones; the best K per batch size). "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
+(or the --swept ones; the best K per batch size); each tree shape of --trees (TOPK,STEPS,TOKENS;...)
+for the swept EAGLE-3 variant; with --tuned, the loop's own choice (`Decoder.tune_k` among plain
+decoding, chain K and the --trees shapes, timed on the batch's prompts before the timed runs; its
+"compile s" includes the tuning). "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
 in every variant, HF's too) included; "decode tokens/s" counts the rounds alone (our loops).
-Every compiled variant uses CUDA graphs (mode="reduce-overhead"). A variant's first generate
+Every compiled variant uses CUDA graphs (mode="reduce-overhead"). Processes started side by side
+with one --gpu-lock file compile at once and take turns to time (and to tune). A variant's first generate
 compiles it (its wall time is "compile s"); then the loop variants are timed interleaved,
 `--repeats` passes over all of them (median), and each HF variant `--repeats` times. The
 split of a round (draft / verify / accept / catch-up / between rounds) comes from one more run
@@ -58,6 +64,7 @@ TARGET, DRAFTERS = CHECKPOINTS / "stdlib-llama", {"eagle3": ("eagle", CHECKPOINT
 LOOPS = {"inductor-apart": ("inductor", False), "specpass-apart": ("specpass", False),
          "specpass-fused": ("specpass", True)}
 SWEPT = ("eagle3/specpass-fused", "parallel/specpass-fused")  # the variants also run at each K of --k-sweep
+TUNED = "tuned"  # a variant's K: Decoder.tune_k chooses it
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -66,7 +73,7 @@ class LoopRow(harness.Row):
     (the HF variants have no rounds, greedy rows no temperature)."""
 
     bs: int
-    k: int
+    k: int | str  # K, or a tree shape ("tree 4,5,16"); the tuned variant's choice
     agree: bool | None = None  # greedy: the tokens equal the reference's (plain decoding's)
     prefix: float | None = None  # greedy: mean fraction of each request's tokens before the first difference
     temperature: float | None = None
@@ -128,8 +135,10 @@ class Bench:
 
         from specpass.loop import Decoder, cache_slots
 
-        new, k_max = self.args.new_tokens, max(v[4] for v in variants)
-        max_len = cache_slots(max(map(len, prompts)), new, k_max)  # enough for every drafter
+        new = self.args.new_tokens
+        ks = [k for v in variants for k in ([*range(1, 9), *self.args.trees] if v[4] == TUNED else [v[4]])]
+        longest = max(new, *(self.args.tune_tokens if any(v[4] == TUNED for v in variants) else ()))
+        max_len = max(cache_slots(max(map(len, prompts)), longest, k) for k in ks)  # every drafter, K and tuning
         sampling = sampling or {}
         decoders, results = {}, {}
         for variant in variants:
@@ -138,17 +147,27 @@ class Bench:
             if (variant, len(prompts), max_len) not in self.decoders:
                 target, drafter = copy.deepcopy((self.target, self.drafters[drafter] if drafter else None))
                 self.decoders[variant, len(prompts), max_len] = Decoder(
-                    target, drafter, k=k, max_batch=len(prompts), max_len=max_len, compile=compile,
-                    mode=self.cudagraphs, fused_round=fused, greedy_drafts=bool(greedy_drafts and greedy_drafts[0]))
-            decoders[variant] = self.decoders[variant, len(prompts), max_len]
-            first = decoders[variant].generate(prompts, new, **sampling)  # compiles, records the CUDA graphs
-            results[variant] = dict(tokens=first.tokens, runs=[], compile_s=time.perf_counter() - start)
-            print(f"    compiled {variant[0]} K={k} in {results[variant]['compile_s']:.0f} s", file=sys.stderr)
-        for i in range(self.args.repeats):
-            order = list(decoders)
-            order = order[i % len(order):] + order[: i % len(order)]
-            for variant in order:
-                results[variant]["runs"].append(decoders[variant].generate(prompts, new, **sampling).metrics)
+                    target, drafter, k=self.args.k if k == TUNED else k, max_batch=len(prompts), max_len=max_len,
+                    compile=compile, mode=self.cudagraphs, fused_round=fused,
+                    greedy_drafts=bool(greedy_drafts and greedy_drafts[0]))
+            decoders[variant] = decoder = self.decoders[variant, len(prompts), max_len]
+            if k == TUNED:  # the loop's own choice, timed on these prompts (the GPU its own while it times)
+                with harness.exclusive(self.args.gpu_lock):
+                    choice = decoder.tune_k(prompts, self.args.tune_ks, trees=self.args.trees,
+                                            new_tokens=self.args.tune_tokens)
+                print(f"    tune_k chose {choice.k}: tokens/ms {({str(c): round(v, 3) for c, v in choice.tokens_per_ms.items()})}",
+                      file=sys.stderr)
+            first = decoder.generate(prompts, new, **sampling)  # compiles, records the CUDA graphs
+            results[variant] = dict(tokens=first.tokens, runs=[], compile_s=time.perf_counter() - start,
+                                    k=label(decoder.k))
+            print(f"    compiled {variant[0]} K={label(decoder.k)} in {results[variant]['compile_s']:.0f} s",
+                  file=sys.stderr)
+        with harness.exclusive(self.args.gpu_lock):
+            for i in range(self.args.repeats):
+                order = list(decoders)
+                order = order[i % len(order):] + order[: i % len(order)]
+                for variant in order:
+                    results[variant]["runs"].append(decoders[variant].generate(prompts, new, **sampling).metrics)
         for variant, decoder in decoders.items():
             runs, r = results[variant].pop("runs"), results[variant]
             timed = (decoder.generate(prompts, new, timing=True, **sampling).metrics
@@ -226,8 +245,8 @@ def sweep(args, save) -> list[dict]:
     def record(variant: str, bs: int, k: int, result: dict, reference: list[list[int]]):
         agree = result["tokens"] == reference
         prefix = prefix_agreement(result["tokens"], reference)
-        row = LoopRow(env=env, variant=variant, bs=bs, k=k, agree=agree, prefix=prefix,
-                      **{key: v for key, v in result.items() if key != "tokens"}).asdict()
+        row = LoopRow(env=env, variant=variant, bs=bs, agree=agree, prefix=prefix,
+                      **{"k": k, **{key: v for key, v in result.items() if key != "tokens"}}).asdict()
         rows.append(row)
         save(rows)
         print(f"  bs {bs} k {k} {variant}: {row['tokens_per_s']:.0f} tok/s, accept {row['accept_length']}, "
@@ -239,12 +258,16 @@ def sweep(args, save) -> list[dict]:
         if f"{drafter}/{loop}" in args.variants:
             sweep_k = [k for k in args.k_sweep if k != args.k] if f"{drafter}/{loop}" in args.swept else []
             loops += [(f"{drafter}/{loop}", drafter, compile, fused, k) for k in [args.k, *sweep_k]]
+            if f"{drafter}/{loop}" == SWEPT[0]:  # the EAGLE-3 head's trees (when swept), its own choice
+                loops += [(f"{drafter}/{loop}", drafter, compile, fused, tree) for tree in args.trees
+                          if f"{drafter}/{loop}" in args.swept]
+                loops += [(f"{drafter}/{loop}/tuned", drafter, compile, fused, TUNED)] * args.tuned
     for bs in args.bs:
         prompts = bench.batch(bs)
         results = bench.run_loops(prompts, loops)
         reference = results[loops[0]]["tokens"]
         for variant, result in results.items():
-            record(variant[0], bs, variant[4], result, reference)
+            record(variant[0], bs, result.pop("k"), result, reference)
         if "hf-static" in args.variants:
             record("hf-static", bs, 0, bench.run_hf(prompts, assistant=False), reference)
         if "hf-assisted" in args.variants and bs == 1:
@@ -265,6 +288,7 @@ def sweep_sampling(args, save) -> list[dict]:
     for k in dict.fromkeys([args.k, *args.k_sweep]):
         loops += [("eagle3/specpass-fused", "eagle3", "specpass", True, k, False),
                   ("eagle3/specpass-fused-greedy-drafts", "eagle3", "specpass", True, k, True)]
+    loops += [("eagle3/specpass-fused", "eagle3", "specpass", True, tree, False) for tree in args.trees]
     rows = []
     for bs in args.bs:
         prompts = bench.batch(bs)
@@ -274,9 +298,10 @@ def sweep_sampling(args, save) -> list[dict]:
             # greedy drafts change nothing at temperature 0: their greedy round is the sampled drafts' one
             variants = [v for v in loops if not (v[5] and temperature == 0)]
             for (variant, _, _, _, k, _), r in bench.run_loops(prompts, variants, sampling).items():
+                k = label(k)
                 if temperature == 0:
                     greedy_round[variant, k] = greedy_round[f"{variant}-greedy-drafts", k] = r["round_ms"]
-                row = LoopRow(env=env, variant=variant, bs=bs, k=k, temperature=temperature, top_p=top_p,
+                row = LoopRow(env=env, variant=variant, bs=bs, temperature=temperature, top_p=top_p,
                               round_vs_greedy=r["round_ms"] / greedy_round[variant, k],
                               **{key: v for key, v in r.items() if key != "tokens"}).asdict()
                 rows.append(row)
@@ -383,6 +408,11 @@ def _temperature(text: str) -> tuple[float, float | None]:
     return float(temperature), float(top_p) if top_p else None
 
 
+def label(k) -> int | str:
+    """A row's K: the int, or a tree shape's text."""
+    return k if isinstance(k, int) else str(k)
+
+
 def merge(path: Path, rows: list[dict]) -> list[dict]:
     """Rows already in `path` plus these; a row replaces an old one with the same key."""
     key = lambda r: (r["dtype"], r["bs"], r["variant"], r["k"], r.get("temperature"), r.get("top_p"))  # noqa: E731
@@ -407,6 +437,17 @@ def main() -> None:
                         help=f"comma-separated, of {all_variants} (plain runs too, unless --no-plain)")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip plain decoding in the greedy sweep (agree then compares with the first variant)")
+    parser.add_argument("--trees", default=[], type=harness.tree_shapes, metavar="TOPK,STEPS,TOKENS;...",
+                        help="tree shapes the swept EAGLE-3 variant also runs at (and --tuned chooses among)")
+    parser.add_argument("--tuned", action="store_true",
+                        help="also the loop's own choice: Decoder.tune_k among plain, chain K and --trees")
+    parser.add_argument("--tune-ks", default="2,6", type=lambda s: [int(x) for x in s.split(",")],
+                        help="the chain K --tuned times first")
+    parser.add_argument("--tune-tokens", default="8,40", type=lambda s: tuple(int(x) for x in s.split(",")),
+                        help="--tuned: the new tokens of the short and the long generate each K is timed by "
+                             "(the long one also measures the acceptance)")
+    parser.add_argument("--gpu-lock", type=Path,
+                        help="a file: processes started side by side with it compile at once and take turns to time")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--check-bs", type=int, default=8, help="batch size of the fp32 exactness check")

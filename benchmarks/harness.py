@@ -248,3 +248,8 @@ def exclusive(lock: Path | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def tree_shapes(text: str) -> list:
+    """TOPK,STEPS,TOKENS;... (a command line's --trees) -> TreeShapes."""
+    from specpass.loop import TreeShape
+
+    return [TreeShape(*(int(x) for x in part.split(","))) for part in text.split(";") if part]

@@ -15,6 +15,11 @@ With a prologue the pass folds into the op's read (issue 22):
   per_request     softmax(x.float() / T[:, None], -1).max(-1), a temperature per request
   logprob_float   log_softmax(x.float()).argmax(-1) and the log-probability gathered at it
   greedy          softmax(x.float(), -1).max(-1).indices (the loop's greedy token)
+A tree draft step's expansion (issue 33): each frontier row's top-k tokens and their log-probabilities
+(the scores), at bs * k rows (--topk, default 4), against Inductor's bare `x.float().topk(k, -1)`:
+  tree_log          log_softmax(x.float(), -1).topk(k, -1) (specpass.loop.tree_math.expand)
+  tree_softmax      softmax(x.float(), -1).topk(k, -1), then the values' log (probabilities, then log)
+  tree_temperature  log_softmax(x.float() / 0.7, -1).topk(k, -1)
 The sample op (torch.ops.specpass.sample, specpass.sampling), timed as called (no compiler):
   sample          a draw from softmax(x / 0.7)
   sample_floor    the same over x >= a given floor (top-k / top-p applied)
@@ -23,8 +28,8 @@ The sample op (torch.ops.specpass.sample, specpass.sampling), timed as called (n
   floor_of        floor_of alone
 
 Each is compiled for one static shape at a time (Dynamo is reset between shapes) and checked
-against eager on tie-free logits (each row's maximum lifted 1.0 above the rest). Times are medians
-in microseconds per call. On CUDA, two timers:
+against eager on tie-free logits (each row's maximum lifted 1.0 above the rest; for the tree forms,
+each row's top k, 1.0 apart). Times are medians in microseconds per call. On CUDA, two timers:
   in-stream  one CUDA graph holds N calls back to back, each on its own copy of the logits (N
              copies span 4 x the L2 cache, so every call reads cold logits, as a sampling step
              inside an engine's graph does); a replay's time / N. The main figures.
@@ -36,9 +41,9 @@ the device's peak memory bandwidth; "read" is the same for the fastest plain rea
 (a row sum, best of a few Triton decompositions, timed the same way): what any kernel that reads
 every logit once can reach at that size (the JSON also has "read_whole_rows", the best with one
 program per row, and "op", torch.ops.specpass.top1_lse alone). "/ argmax" is specpass's time over
-Inductor's bare `argmax` of the same logits. --configs also times the op's kernel at every tile
-and split it can take (the JSON's "configs": E, warps, splits, us), to tune
-kernels/triton_top1.config_for on another device.
+Inductor's bare `argmax` of the same logits ("/ topk", the tree forms': over its bare `topk`).
+--configs also times the op's kernel at every tile and split it can take (the JSON's "configs": E,
+warps, splits, us), to tune kernels/triton_top1.config_for on another device.
 """
 
 from __future__ import annotations
@@ -99,8 +104,27 @@ def greedy(x):
     return torch.softmax(x.float(), -1).max(-1).indices
 
 
+def tree_log(x, k):
+    return torch.log_softmax(x.float(), -1).topk(k, -1)
+
+
+def tree_softmax(x, k):
+    top = torch.softmax(x.float(), -1).topk(k, -1)
+    return top.values.log(), top.indices
+
+
+def tree_temperature(x, k):
+    return torch.log_softmax(x.float() / 0.7, -1).topk(k, -1)
+
+
+def bare_topk(x, k):
+    return x.float().topk(k, -1)
+
+
 FORMS = {"top1": top1, "argmax": argmax, "logprob": logprob, "verify": verify, "top1_float": top1_float,
-         "temperature": temperature, "per_request": per_request, "logprob_float": logprob_float, "greedy": greedy}
+         "temperature": temperature, "per_request": per_request, "logprob_float": logprob_float, "greedy": greedy,
+         "tree_log": tree_log, "tree_softmax": tree_softmax, "tree_temperature": tree_temperature}
+TREE = ("tree_log", "tree_softmax", "tree_temperature")  # fn(x, k) at bs * k rows, against bare_topk
 SAMPLING = ("sample", "sample_floor", "floor_sample", "floor_of")
 VARIANTS = {"eager": None, "inductor": "inductor", "specpass": specpass}  # name: torch.compile backend
 
@@ -131,11 +155,14 @@ def compiled_buffers(compiled, *args) -> tuple:
                     if "empty_strided" in line)
 
 
-def logits_for(bs: int, vocab: int, device: str, dtype: torch.dtype) -> torch.Tensor:
+def logits_for(bs: int, vocab: int, device: str, dtype: torch.dtype, top: int = 1) -> torch.Tensor:
+    """[bs, vocab] random logits whose `top` largest of each row are 1.0 apart and 1.0 above the
+    rest, in a random place: no ties among them, clear of softmax rounding."""
     g = torch.Generator(device="cpu").manual_seed(bs * 1_000_003 + vocab)
     x = torch.randn(bs, vocab, generator=g)
-    top = torch.randint(0, vocab, (bs,), generator=g)
-    x[torch.arange(bs), top] = x.amax(dim=-1) + 1.0  # a unique maximum, clear of softmax rounding
+    first = torch.randint(0, vocab, (bs, 1), generator=g)
+    places = (first + torch.arange(top) * (vocab // top)) % vocab  # [bs, top], distinct
+    x.scatter_(1, places, x.amax(dim=-1, keepdim=True) + torch.arange(top, 0, -1, dtype=x.dtype))
     return x.to(device=device, dtype=dtype)
 
 
@@ -231,15 +258,21 @@ def op_configs_us(xs: list[torch.Tensor], reps: int) -> list[list]:
 
 
 def run_shape(bs: int, vocab: int, dtype: torch.dtype, device: str, quick: bool, configs: bool = False,
-              forms: list[str] | None = None, variants: list[str] | None = None) -> dict:
-    x = logits_for(bs, vocab, device, dtype)
-    ids = torch.randint(0, vocab, (bs, K), device=device, generator=torch.Generator(device=device).manual_seed(0))
-    temperatures = torch.rand(bs, device=device, generator=torch.Generator(device=device).manual_seed(1)) + 0.5
+              forms: list[str] | None = None, variants: list[str] | None = None, topk: int | None = None) -> dict:
+    """Times `forms` at one shape: without topk, forms not in TREE over [bs, vocab] against Inductor's
+    bare argmax; with it, the TREE forms over [bs * topk, vocab] (a draft step's frontier rows)
+    against its bare topk."""
+    rows = bs * topk if topk else bs
+    x = logits_for(rows, vocab, device, dtype, top=topk or 1)
+    ids = torch.randint(0, vocab, (rows, K), device=device, generator=torch.Generator(device=device).manual_seed(0))
+    temperatures = torch.rand(rows, device=device, generator=torch.Generator(device=device).manual_seed(1)) + 0.5
+    extras = {"verify": (ids,), "per_request": (temperatures,), **dict.fromkeys(TREE, (topk,))}
+    baseline, bare, bare_extra = ("topk", bare_topk, (topk,)) if topk else ("argmax", bare_argmax, ())
     cuda = device.startswith("cuda")
     xs = rotation(x) if cuda else [x]
     reps = 10 if quick else 50
-    row: dict = {"bs": bs, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."), "us": {}, "isolated_us": {},
-                 "full_size_buffers": {}}
+    row: dict = {"bs": bs, "rows": rows, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."),
+                 "baseline": baseline, "us": {}, "isolated_us": {}, "full_size_buffers": {}}
 
     def bench(name: str, fn, extra: tuple = ()) -> None:
         if not cuda:
@@ -252,18 +285,19 @@ def run_shape(bs: int, vocab: int, dtype: torch.dtype, device: str, quick: bool,
     with torch.no_grad():
         if cuda:
             row["us"].update(read_floors_us(xs, reps))
-            row["us"]["op"] = in_stream_us([lambda xi=xi: torch.ops.specpass.top1_lse(xi) for xi in xs], reps)
-            if configs:
-                row["configs"] = op_configs_us(xs, reps)
-        bare = torch.compile(bare_argmax, dynamic=False, fullgraph=True)
-        bare(x)
-        bench("inductor_argmax", bare)
-        for form in forms or (*FORMS, *SAMPLING):
+            if not topk:  # the op is the top-1 forms' kernel
+                row["us"]["op"] = in_stream_us([lambda xi=xi: torch.ops.specpass.top1_lse(xi) for xi in xs], reps)
+                if configs:
+                    row["configs"] = op_configs_us(xs, reps)
+        compiled_bare = torch.compile(bare, dynamic=False, fullgraph=True)
+        compiled_bare(x, *bare_extra)
+        bench(f"inductor_{baseline}", compiled_bare, bare_extra)
+        for form in forms or (TREE if topk else [*(f for f in FORMS if f not in TREE), *SAMPLING]):
             if form in SAMPLING:
                 bench(form, sampling_calls(x)[form])
                 continue
             fn = FORMS[form]
-            extra = {"verify": (ids,), "per_request": (temperatures,)}.get(form, ())
+            extra = extras.get(form, ())
             outputs = {}
             for name in variants or VARIANTS:
                 backend = VARIANTS[name]
@@ -280,15 +314,16 @@ def run_shape(bs: int, vocab: int, dtype: torch.dtype, device: str, quick: bool,
                     if want.is_floating_point():
                         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
                     else:
-                        assert torch.equal(got, want), f"{form}/{name}: indices differ from eager at {bs} x {vocab}"
+                        assert torch.equal(got, want), f"{form}/{name}: indices differ from eager at {rows} x {vocab}"
     return row
 
 
-def table(rows: list[dict], peak: float | None) -> str:
-    lines = ["| dtype | bs | vocab | read | Inductor argmax | form | eager | Inductor | specpass | bw "
-             "| / argmax | Inductor / specpass | full-size buffers (Inductor, specpass) |", "|---" * 13 + "|"]
+def table(rows: list[dict], peak: float | None, baseline: str) -> str:
+    """The rows timed against Inductor's bare `baseline` (argmax or topk), one line per form."""
+    lines = [f"| dtype | bs | rows | vocab | read | Inductor {baseline} | form | eager | Inductor | specpass | bw "
+             f"| / {baseline} | Inductor / specpass | full-size buffers (Inductor, specpass) |", "|---" * 14 + "|"]
     for r in rows:
-        t, size = r["us"], r["bs"] * r["vocab"] * (2 if r["dtype"] in ("bfloat16", "float16") else 4)
+        t, size = r["us"], r["rows"] * r["vocab"] * (2 if r["dtype"] in ("bfloat16", "float16") else 4)
         share = (lambda us: f"{size / (us * 1e-6) / peak:.2f}") if peak else (lambda us: "-")
         read = share(t["read"]) if "read" in t else "-"
         cell = (lambda key: f"{t[key]:.1f}" if key in t else "-")
@@ -296,9 +331,10 @@ def table(rows: list[dict], peak: float | None) -> str:
             ours = t.get(f"{form}/specpass", t.get(form))
             inductor = t.get(f"{form}/inductor")
             buffers = r["full_size_buffers"]
-            lines.append(f"| {r['dtype']} | {r['bs']} | {r['vocab']} | {read} | {t['inductor_argmax']:.1f} | {form} "
+            bare = t[f"inductor_{baseline}"]
+            lines.append(f"| {r['dtype']} | {r['bs']} | {r['rows']} | {r['vocab']} | {read} | {bare:.1f} | {form} "
                          f"| {cell(f'{form}/eager')} | {cell(f'{form}/inductor')} | {ours:.1f} | {share(ours)} "
-                         f"| {ours / t['inductor_argmax']:.2f} | {f'{inductor / ours:.2f}' if inductor else '-'} "
+                         f"| {ours / bare:.2f} | {f'{inductor / ours:.2f}' if inductor else '-'} "
                          f"| {buffers.get(f'{form}/inductor', '-')}, {buffers.get(f'{form}/specpass', '-')} |")
     return "\n".join(lines)
 
@@ -314,6 +350,7 @@ def main() -> None:
     parser.add_argument("--configs", action="store_true",
                         help="CUDA: also time the op's kernel at each tile and split configuration (tuning)")
     parser.add_argument("--forms", nargs="+", choices=[*FORMS, *SAMPLING], default=None, help="default: all")
+    parser.add_argument("--topk", type=int, default=4, help="the tree forms' k: each runs at bs * k rows")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=None, help="default: all")
     parser.add_argument("--out", type=Path, default=None, help="write all results as JSON here")
     args = parser.parse_args()
@@ -322,20 +359,28 @@ def main() -> None:
         parser.error("CUDA is not available; use --device cpu --quick for a smoke test")
     bss = args.bs or ([1, 16] if args.quick else [1, 16, 64, 256, 1280])
     vocabs = args.vocab or ([1000, 32000] if args.quick else [32000, 128256, 151936])
+    if not 1 <= args.topk <= min(vocabs):
+        parser.error(f"--topk {args.topk} must be at least 1 and at most the smallest vocabulary, {min(vocabs)}")
     dtype = getattr(torch, args.dtype)
     env = harness.environment(args.device, dtype)
     name = env["device"]
     peak = peak_bandwidth(args.device)
     print(f"{harness.describe(env)}; peak bandwidth {f'{peak / 1e12:.2f} TB/s' if peak else '-'}", flush=True)
 
+    forms = args.forms or [*FORMS, *SAMPLING]
+    groups = [(topk, chosen) for topk, chosen in ((None, [f for f in forms if f not in TREE]),
+                                                  (args.topk, [f for f in forms if f in TREE])) if chosen]
     t0 = time.perf_counter()
     rows = []
     for vocab in vocabs:
         for bs in bss:
-            rows.append(run_shape(bs, vocab, dtype, args.device, args.quick, args.configs, args.forms, args.variants))
-            print(f"{args.dtype} bs={bs} vocab={vocab}: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["us"].items())
-                  + (f"; best configuration {min(rows[-1]['configs'], key=lambda c: c[-1])}" if args.configs else ""),
-                  flush=True)
+            for topk, chosen in groups:
+                rows.append(run_shape(bs, vocab, dtype, args.device, args.quick, args.configs, chosen, args.variants,
+                                      topk))
+                print(f"{args.dtype} bs={bs} rows={rows[-1]['rows']} vocab={vocab}: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in rows[-1]["us"].items())
+                      + (f"; best configuration {min(rows[-1]['configs'], key=lambda c: c[-1])}"
+                         if "configs" in rows[-1] else ""), flush=True)
     cuda = args.device.startswith("cuda")
     meta = {**env, "peak_bandwidth": peak,
             "timer": "in-stream CUDA graph over rotating logits; isolated replay in isolated_us" if cuda else "wall",
@@ -345,7 +390,8 @@ def main() -> None:
         print(f"wrote {args.out}")
     how = "in-stream, calls back to back in a CUDA graph over cold logits" if cuda else "plain calls"
     print(f"\nmedian us per call, {how} ({name}, torch {torch.__version__}, {meta['seconds']} s):\n")
-    print(table(rows, peak))
+    for baseline in dict.fromkeys(r["baseline"] for r in rows):
+        print(table([r for r in rows if r["baseline"] == baseline], peak, baseline) + "\n")
 
 
 if __name__ == "__main__":

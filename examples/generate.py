@@ -34,7 +34,8 @@ import specpass  # noqa: E402
 from models.checkpoint import CheckpointError  # noqa: E402
 from models.drafters import load_pair  # noqa: E402
 from models.text import EOS, VOCAB, decode, encode, load_prompts  # noqa: E402
-from specpass.loop import COMPILERS, Decoder, cache_slots  # noqa: E402
+from specpass.loop import COMPILERS, Decoder, TreeShape, cache_slots  # noqa: E402
+from specpass.loop.tree import depth  # noqa: E402
 
 CHECKPOINTS = ROOT / "checkpoints"
 DEFAULT_TARGET, DEFAULT_EAGLE = CHECKPOINTS / "stdlib-llama", CHECKPOINTS / "stdlib-llama-eagle3"
@@ -80,6 +81,14 @@ def probability(text: str) -> float:
     return value
 
 
+def tree_shape(text: str) -> TreeShape:
+    """TOPK,STEPS,TOKENS -> a TreeShape."""
+    try:
+        return TreeShape(*(int(part) for part in text.split(",")))
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"three ints TOPK,STEPS,TOKENS, e.g. 4,5,16: {exc}") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=pathlib.Path, default=DEFAULT_TARGET, help="Llama checkpoint folder")
@@ -91,6 +100,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt", action="append", help="repeat for a batch (default: held-out prompts)")
     parser.add_argument("--num-prompts", type=positive_int, default=2, help="how many default prompts")
     parser.add_argument("--k", type=positive_int, default=4, help="draft tokens per round")
+    parser.add_argument("--tree", type=tree_shape, metavar="TOPK,STEPS,TOKENS",
+                        help="draft a tree per round instead of a chain: topk children per node, steps levels, "
+                             "tokens verified per request (e.g. 4,5,16)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
@@ -145,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     backend = specpass.backend(handoff=args.handoff) if args.compile == "specpass" else args.compile
     reports = _collect_reports()
     prompts = [encode(t) for t in texts]
-    max_len = cache_slots(max(map(len, prompts)), args.max_new_tokens, args.k)
+    k = args.tree or args.k
+    max_len = cache_slots(max(map(len, prompts)), args.max_new_tokens, k)
     shape = dict(max_batch=len(prompts), max_len=max_len,
                  compile=backend, mode="reduce-overhead" if cuda and args.compile != "eager" else None)
     fused = args.round == "fused"
-    decoders = {"speculative": Decoder(target, drafter, k=args.k, fused_round=fused, greedy_drafts=args.greedy_drafts,
+    decoders = {"speculative": Decoder(target, drafter, k=k, fused_round=fused, greedy_drafts=args.greedy_drafts,
                                        **shape),
                 "plain": Decoder(target, None, fused_round=fused, **shape)}
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -173,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     for report in reports:
         print(report)
     speed = {name: r.metrics.new_tokens / seconds[name] for name, r in results.items()}
-    print(f"drafter: {kind} ({draft_dir}), k = {args.k}, compile = {args.compile}"
+    print(f"drafter: {kind} ({draft_dir}), {f'k = {k}' if args.tree is None else k}, compile = {args.compile}"
           f"{f' (handoff {args.handoff})' if args.compile == 'specpass' else ''}"
           f", round {args.round}, {args.device} {args.dtype}, {len(prompts)} prompts, "
           + (f"sampling: temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed}"
              f"{', greedy drafts' if args.greedy_drafts else ''}" if args.temperature > 0 else "greedy"))
-    print(f"mean accepted length: {m.accept_length:.2f} tokens per round (at most {args.k + 1})")
-    print("acceptance per draft position: " + " ".join(f"{p:.2f}" for p in m.acceptance))
+    print(f"mean accepted length: {m.accept_length:.2f} tokens per round (at most {depth(k) + 1})")
+    print(f"acceptance per {'draft position' if args.tree is None else 'depth'}: " + " ".join(f"{p:.2f}" for p in m.acceptance))
     print(f"tokens/s: speculative {speed['speculative']:.1f}, plain target decoding {speed['plain']:.1f} "
           f"({speed['speculative'] / speed['plain']:.2f}x, median of {args.repeats} runs each)")
     if args.temperature > 0:

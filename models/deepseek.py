@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import library
 
-from specpass.drafters.attention import attend, write_cache
+from specpass.drafters.attention import attend, copy_cache, write_cache
 from specpass.drafters.layers import SwiGLU
 from specpass.drafters.rope import apply_rope
 
@@ -90,6 +90,10 @@ class MLAAttention(nn.Module):
     def setup_cache(self, max_batch: int, max_len: int, device, dtype) -> None:
         self.c_kv_cache = torch.zeros(max_batch, max_len, self.kv_lora_rank, device=device, dtype=dtype)
         self.k_rope_cache = torch.zeros(max_batch, max_len, self.rope_dim, device=device, dtype=dtype)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        copy_cache(self.c_kv_cache, src, dst)
+        copy_cache(self.k_rope_cache, src, dst)
 
     def project(self, x: torch.Tensor, rope_cs):
         """-> q_nope [B,T,h,nope], q_rope [B,T,h,dr], c_kv [B,T,r], k_rope [B,T,dr] (roped)."""

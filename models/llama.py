@@ -107,16 +107,16 @@ class Llama(Draft):
             raise ValueError(f"EAGLE-3 fuses layers 2, L//2 and L-3: the target needs 3 layers or more, not {L}")
         return (2, L // 2, L - 3)
 
-    def _layers(self, tokens, positions, capture=()):
+    def _layers(self, tokens, positions, capture=(), slots=None, mask=None):
         """Run all layers; -> (last layer's output before the final norm, inputs of `capture` layers)."""
         x = self.model.embed_tokens(tokens)  # [B, T, H]
         rope_cs = rope(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        mask = self.mask(positions)  # [B, 1, T, S]
+        slots, mask = self.layout(positions, slots, mask)  # [B, T], [B, 1, T, S]
         captured = []
         for i, layer in enumerate(self.model.layers):
             if i in capture:
                 captured.append(x)
-            x = layer(x, rope_cs, mask, positions)
+            x = layer(x, rope_cs, mask, slots)
         return x, captured
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -128,9 +128,16 @@ class Llama(Draft):
         """(logits [B, T, V], hidden): kind "eagle3" -> [B, T, 3H], "last" -> [B, T, H] (see module doc)."""
         if kind not in ("eagle3", "last"):
             raise ValueError(f"kind must be 'eagle3' or 'last', got {kind!r}")
+        return self.forward_tree(tokens, positions, None, None, kind)
+
+    def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
+                     mask: torch.Tensor | None, kind: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`specpass.TreeTarget`'s verify: rows written at `slots`, seeing `mask` (None: by position)."""
         capture = self.eagle3_layers if kind == "eagle3" else ()
-        x, captured = self._layers(tokens, positions, capture)
+        x, captured = self._layers(tokens, positions, capture, slots, mask)
         logits = self.lm_head(self.model.norm(x))
+        if kind is None:
+            return logits, None
         if kind == "last":
             return logits, x
         by_layer = dict(zip(sorted(set(capture)), captured))
@@ -139,6 +146,6 @@ class Llama(Draft):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 
-    def forward_rows(self, tokens, positions, hidden=None):
-        x, _ = self._layers(tokens, positions)
+    def forward_rows(self, tokens, positions, hidden=None, slots=None, mask=None):
+        x, _ = self._layers(tokens, positions, (), slots, mask)
         return self.lm_head(self.model.norm(x)), x

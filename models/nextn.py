@@ -139,9 +139,9 @@ class NextN(Draft):
         self.decoder = DecoderLayer(attn, mlp, H, eps)
         self.shared_head = nn.ModuleDict(dict(norm=nn.RMSNorm(H, eps=eps), head=nn.Linear(H, config.vocab_size, bias=False)))
 
-    def forward_rows(self, tokens, positions, hidden):
+    def forward_rows(self, tokens, positions, hidden, slots=None, mask=None):
         embeds = self.embed_tokens(tokens)  # [B, T, H]
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # [B, T, H]
         rope_cs = rope(positions, self.config.rotary_dim, self.config.rope_theta, x.dtype)
-        h = self.decoder(x, rope_cs, self.mask(positions), positions)
+        h = self.decoder(x, rope_cs, *reversed(self.layout(positions, slots, mask)))
         return self.shared_head.head(self.shared_head.norm(h)), h  # [B, T, V], [B, T, H]

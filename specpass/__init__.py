@@ -16,7 +16,7 @@ from specpass.compile_backend import SpecpassWarning, backend, default_backend
 from specpass.capture import CaptureError, capture
 from specpass.drafters import load_drafter
 from specpass.export_program import export
-from specpass.loop import Decoder, Drafter, ParallelDrafter, Target
+from specpass.loop import Decoder, Drafter, ParallelDrafter, Target, TreeDrafter, TreeShape, TreeTarget
 from specpass.options import Options
 from specpass.passes.row_rules import register_row_rule
 from specpass.pipeline import PASSES, RewriteResult, explain, rewrite
@@ -35,6 +35,9 @@ __all__ = [
     "RewriteResult",
     "SpecpassWarning",
     "Target",
+    "TreeDrafter",
+    "TreeShape",
+    "TreeTarget",
     "backend",
     "capture",
     "explain",

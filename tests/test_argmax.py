@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import specpass
 from models.toy import ToyDraft
+from specpass.loop import tree_math
 from specpass.passes import argmax as argmax_pass
 from specpass.passes.argmax import chunks as argmax_chunks
 from specpass.passes.argmax import matcher as argmax_matcher
@@ -1044,6 +1045,105 @@ def test_folding_changes_no_index_on_near_ties(monkeypatch, form, dtype):
     assert "folding" in "".join(findings(rewrite(fn, x, *extra)[1]))
     assert torch.equal(folded[1], unfolded[1])
     assert not torch.equal(folded[1], x.argmax(-1))  # the quotient's rounding decides on some rows
+
+
+# --- a tree draft step's expansion (issue 33): each row's top-k tokens and their log-probabilities
+
+
+def tree_logits(rows, vocab, seed=0):
+    """bf16 logits whose top 4 of each row are 0.5 apart and above the rest: eager's order is unambiguous."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g)
+    places = torch.rand(rows, vocab, generator=g).argsort(-1)[:, :4]  # [rows, 4] distinct
+    x.scatter_(1, places, x.amax(-1, keepdim=True) + torch.tensor([2.0, 1.5, 1.0, 0.5]))
+    return x.bfloat16()
+
+
+def softmax_then_log(x):  # SGLang's spelling: probabilities, then the log of the top ones
+    top = torch.softmax(x.float(), -1).topk(4, -1)
+    return top.values.log(), top.indices
+
+
+class TestTreeExpansion(expecttest.TestCase):
+    """expand's top-k with values reads an exact top-k of the logits and a logsumexp: no [.., V]
+    softmax or log_softmax is left, and the scores and tokens are eager's."""
+
+    def rewritten(self, fn):
+        """The rewritten graph of fn over [3, 128] logits, after checking, there and over [4, 32000]
+        (rows in chunks), that no softmax is left and that specpass gives eager's results."""
+        graphs = []
+        for x in (tree_logits(3, 128), tree_logits(4, 32000, seed=1)):
+            gm, result = rewrite(fn, x)
+            assert [n for n in gm.graph.nodes if argmax_matcher.is_softmax(n)], graph_str(gm)
+            graphs.append(graph_str(result.graph_module))
+            assert not [n for n in result.graph_module.graph.nodes if argmax_matcher.is_softmax(n)], graphs[-1]
+            got = torch.compile(fn, backend=specpass.backend(handoff="eager", live_rows=False), dynamic=False)(x)
+            TestNumerics.check(got, fn(x), rtol=1e-5)
+            torch._dynamo.reset()
+        return graphs[0]
+
+    def test_expand(self):
+        self.assertExpectedInline(self.rewritten(lambda x: tree_math.expand(x, 4)), """\
+x: bf16[3, 128]
+to: f32[3, 128] = to.dtype(x, f32)
+amax_default: f32[3, 1] = amax(to, [1], True)
+sub_tensor: f32[3, 128] = sub.Tensor(to, amax_default)
+exp_default: f32[3, 128] = exp(sub_tensor)
+sum_dim_int_list: f32[3, 1] = sum.dim_IntList(exp_default, [1], True)
+lt_scalar: b8[3, 1] = lt.Scalar(amax_default, inf)
+where_scalar_other: f32[3, 128] = where.ScalarOther(lt_scalar, to, nan)
+topk_default: (f32[3, 4], i64[3, 4]) = topk(where_scalar_other, 4, 1, True, True)
+getitem_2: i64[3, 4] = getitem(topk_default, 1)
+getitem_3: f32[3, 4] = getitem(topk_default, 0)
+sub_tensor_1: f32[3, 4] = sub.Tensor(getitem_3, amax_default)
+log_default: f32[3, 1] = log(sum_dim_int_list)
+sub_tensor_2: f32[3, 4] = sub.Tensor(sub_tensor_1, log_default)
+return (sub_tensor_2, getitem_2)""")
+
+    def test_softmax_then_log(self):
+        self.assertExpectedInline(self.rewritten(softmax_then_log), """\
+x: bf16[3, 128]
+to: f32[3, 128] = to.dtype(x, f32)
+amax_default: f32[3, 1] = amax(to, [1], True)
+sub_tensor: f32[3, 128] = sub.Tensor(to, amax_default)
+exp_default: f32[3, 128] = exp(sub_tensor)
+sum_dim_int_list: f32[3, 1] = sum.dim_IntList(exp_default, [1], True)
+lt_scalar: b8[3, 1] = lt.Scalar(amax_default, inf)
+where_scalar_other: f32[3, 128] = where.ScalarOther(lt_scalar, to, nan)
+topk_default: (f32[3, 4], i64[3, 4]) = topk(where_scalar_other, 4, 1, True, True)
+getitem_2: i64[3, 4] = getitem(topk_default, 1)
+getitem_3: f32[3, 4] = getitem(topk_default, 0)
+sub_tensor_1: f32[3, 4] = sub.Tensor(getitem_3, amax_default)
+exp_default_1: f32[3, 4] = exp(sub_tensor_1)
+reciprocal_default: f32[3, 1] = reciprocal(sum_dim_int_list)
+mul_tensor: f32[3, 4] = mul.Tensor(exp_default_1, reciprocal_default)
+log: f32[3, 4] = log(mul_tensor)
+return (log, getitem_2)""")
+
+    def test_temperature(self):
+        self.assertExpectedInline(self.rewritten(lambda x: torch.log_softmax(x.float() / 0.7, -1).topk(4, -1)), """\
+x: bf16[3, 128]
+to: f32[3, 128] = to.dtype(x, f32)
+div: f32[3, 128] = div.Tensor(to, 0.7)
+amax_default: f32[3, 1] = amax(div, [1], True)
+sub_tensor: f32[3, 128] = sub.Tensor(div, amax_default)
+exp_default: f32[3, 128] = exp(sub_tensor)
+sum_dim_int_list: f32[3, 1] = sum.dim_IntList(exp_default, [1], True)
+lt_scalar: b8[3, 1] = lt.Scalar(amax_default, inf)
+where_scalar_other: f32[3, 128] = where.ScalarOther(lt_scalar, div, nan)
+topk_default: (f32[3, 4], i64[3, 4]) = topk(where_scalar_other, 4, 1, True, True)
+getitem_2: i64[3, 4] = getitem(topk_default, 1)
+getitem_3: f32[3, 4] = getitem(topk_default, 0)
+sub_tensor_1: f32[3, 4] = sub.Tensor(getitem_3, amax_default)
+log_default: f32[3, 1] = log(sum_dim_int_list)
+sub_tensor_2: f32[3, 4] = sub.Tensor(sub_tensor_1, log_default)
+return (sub_tensor_2, getitem_2)""")
+
+    def test_explain_names_the_rewrite(self):
+        report = specpass.explain(lambda x: tree_math.expand(x, 4), tree_logits(3, 128))
+        self.assertExpectedInline(str(report), """\
+specpass: 1 rewrite(s), 0 left alone; graph matmul FLOPs 0 -> 0
+  [argmax] rewrote log_softmax -> topk: log_softmax -> topk along dim 1: indices = topk(to, 4); values = top - max - log(sum(exp(s - max)))""")
 
 
 # --- an MoE router: softmax -> topk, the top values normalised in place (Mixtral, HunYuan-MoE)

@@ -1,8 +1,10 @@
 """`specpass.generate` on transformers causal LMs equals `model.generate(do_sample=False)` token for
 token: six families as target, each with a standalone draft of its family that disagrees with it
 sometimes, and the zoo's EAGLE-3 head over a Llama and a Qwen3 target; at batch size 1 and on a
-ragged left-padded batch; EOS per request; the live-row rewrite on the draft's catch-up; the
-refusals. Tiny random configs, fp32, CPU, the steps run eagerly except in the compile test."""
+ragged left-padded batch; EOS per request; the live-row rewrite on the draft's catch-up; tree
+rounds (the adapters' `forward_tree`, `copy_slots`, `draft_tree_step`); the refusals. Tiny random
+configs, fp32, CPU, the steps run eagerly except in the compile tests; the tree rounds' EAGLE-3
+test runs the shipped target and head (a random head never drafts what the target emits)."""
 
 import copy
 import gc
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import types
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +24,8 @@ import specpass
 from models import zoo
 from models.drafters import ZooDrafter
 from models.eagle3 import Eagle3Config
-from specpass.hf.adapters import HFTarget
+from models.text import encode
+from specpass.hf.adapters import HFDrafter, HFTarget
 
 V, NEW, K = 96, 12, 4
 SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)  # decisive logits
@@ -298,3 +302,160 @@ def test_sampling_has_transformers_distribution():
 def test_sampling_keywords_need_do_sample():
     with pytest.raises(ValueError, match="take effect with do_sample=True"):
         specpass.generate(build("llama"), IDS[:1], max_new_tokens=2, temperature=0.5, compile="eager")
+
+
+# --- tree rounds: num_assistant_tokens=specpass.TreeShape(topk, steps, tokens)
+
+TREES = [specpass.TreeShape(3, 3, 8), specpass.TreeShape(2, 4, 6)]  # topk > 1, fewer nodes than the full tree
+SHIPPED = Path(__file__).resolve().parent.parent / "checkpoints"
+
+
+@pytest.mark.parametrize("shape", TREES, ids=str)
+@pytest.mark.parametrize("rows", [[1], [0, 1, 2]], ids=["bs1", "ragged3"])
+def test_tree_rounds_with_a_standalone_draft_equal_generate(shape, rows):
+    model, draft = build("llama"), build("llama", noise=0.1)
+    ids, mask = IDS[rows], MASK[rows]
+    out = ours(model, ids, mask, assistant_model=draft, num_assistant_tokens=shape)
+    assert torch.equal(out.sequences, reference(model, ids, mask))
+    assert 1 < out.metrics.accept_length < shape.steps + 1  # some drafts rejected, some accepted
+    assert len(out.metrics.acceptance) == shape.steps
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped target loaded by transformers and its EAGLE-3 head, and prompts it was not
+    trained on (so that it drafts right often, not always), left-padded with 0."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(SHIPPED / "stdlib-llama", dtype=torch.float32,
+                                                              attn_implementation="sdpa").eval()
+    prompts = [encode(text) for text in ("zq9 ~~ {", "Hello, wor", "£€")]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return model, specpass.load_drafter(SHIPPED / "stdlib-llama-eagle3", model), ids, mask
+
+
+@pytest.mark.parametrize("shape", TREES, ids=str)
+@pytest.mark.parametrize("rows", [[1], [0, 1, 2]], ids=["bs1", "ragged3"])
+def test_tree_rounds_with_an_eagle3_head_equal_generate(shipped, shape, rows):
+    model, head, ids, mask = shipped
+    ids, mask = ids[rows], mask[rows]
+    out = ours(model, ids, mask, assistant_model=head, num_assistant_tokens=shape)
+    assert torch.equal(out.sequences, reference(model, ids, mask, pad_token_id=0))
+    assert 2 < out.metrics.accept_length < shape.steps + 1, out.metrics.acceptance  # deep paths, not every time
+
+
+@pytest.mark.parametrize("family,options", [("gpt2", {}), ("llama", dict(attn_implementation="eager")),
+                                            ("mistral", dict(sliding_window=4))],
+                         ids=["absolute_positions", "eager_attention", "sliding_window"])
+def test_tree_rounds_read_positions_masks_and_windows_as_the_model_does(family, options):
+    """Siblings share a learned position (GPT-2); eager attention adds the tree mask to its scores;
+    a sliding window (4 > steps 3) cuts the tree's mask as it cuts the model's own."""
+    model, draft = build(family, **options), build(family, noise=0.1, **options)
+    out = ours(model, IDS, MASK, assistant_model=draft, num_assistant_tokens=TREES[0])
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    assert out.metrics.accept_length > 1
+
+
+PROMPT, SLOTS = IDS[1:, 3:], 16  # two requests' 4-token prompts [2, 4], at positions 0..3
+X, A, B, C, D = 10, 20, 30, 40, 50  # a tree x -> (a, b), b -> c after the prompt; d after x, b, c
+CLOSE = dict(rtol=1e-4, atol=1e-4)  # a 16-slot cache against the branch alone: other summation orders
+
+
+def own_logits(model, branch):
+    """transformers' own last-row logits for each request's prompt + branch: [2, V]."""
+    return model(torch.cat([PROMPT, torch.tensor([branch]).expand(2, -1)], 1)).logits[:, -1]
+
+
+def tree_call(tokens, positions, slots, ancestors, prefix):
+    """The rows' [2, T] tokens, positions and slots, and the [2, 1, T, SLOTS] mask: slots < prefix
+    and the rows' ancestors (ancestors [T, T], among the rows' own slots)."""
+    mask = torch.zeros(2, 1, len(tokens), SLOTS, dtype=torch.bool)
+    mask[..., :prefix] = True
+    mask[..., slots[0]:slots[0] + len(slots)] = torch.tensor(ancestors, dtype=torch.bool)
+    return [torch.tensor([row]).expand(2, -1) for row in (tokens, positions, slots)] + [mask]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_forward_tree_is_transformers_forward_along_each_branch(attention):
+    """After the prompt, the tree x -> (a, b), b -> c at slots 4..7: each node's logits are those
+    transformers' own forward gives its branch; a chain-shaped tree (slots = positions, the causal
+    mask) gives the plain forward's; copy_slots moves b's and c's K/V into slots 5 and 6, where
+    the next token (at position 7) reads them as the chain x, b, c."""
+    model = build("llama", attn_implementation=attention)
+    target = HFTarget(model)
+    target.setup_caches(2, SLOTS)
+    with torch.no_grad():
+        target(PROMPT, torch.arange(4).expand(2, -1))
+        chain = tree_call([X, B, C], [4, 5, 6], [4, 5, 6], [[1, 0, 0], [1, 1, 0], [1, 1, 1]], 4)
+        torch.testing.assert_close(target.forward_tree(*chain, None)[0], target(*chain[:2]), rtol=0, atol=0)
+
+        ancestors = [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
+        tree = tree_call([X, A, B, C], [4, 5, 5, 6], [4, 5, 6, 7], ancestors, 4)
+        logits, hidden = target.forward_tree(*tree, None)
+        assert hidden is None
+        for row, branch in enumerate([[X], [X, A], [X, B], [X, B, C]]):
+            torch.testing.assert_close(logits[:, row], own_logits(model, branch), **CLOSE)
+
+        before = [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
+        # accept b, c: slot 6 is read, then written
+        target.copy_slots(torch.tensor([[6, 7]]).expand(2, -1), torch.tensor([[5, 6]]).expand(2, -1))
+        for layer, (keys, values) in zip(target.cache.layers, before):
+            for now, was in ((layer.keys, keys), (layer.values, values)):
+                assert torch.equal(now[:, :, 5:7], was[:, :, 6:8]) and torch.equal(now[:, :, :5], was[:, :, :5])
+        torch.testing.assert_close(target(torch.tensor([[D]]).expand(2, -1), torch.full((2, 1), 7))[:, -1],
+                                   own_logits(model, [X, B, C, D]), **CLOSE)
+
+
+def test_draft_tree_step_is_the_drafts_forward_along_each_branch():
+    """A standalone draft's tree step on a and b (position 5) and c under b (position 6), written at
+    slots 10..12 (past the catch-up's, as the loop lays out a draft's tree) after a catch-up on the
+    prompt and x: each row's logits are the draft's own forward on its branch; the empty hidden it
+    is given comes back."""
+    draft = build("llama", noise=0.1)
+    drafter = HFDrafter(draft)
+    drafter.setup_caches(2, SLOTS)
+    with torch.no_grad():
+        drafter.catch_up(torch.cat([PROMPT, torch.full((2, 1), X)], 1), torch.arange(5).expand(2, -1), None,
+                         torch.full((2,), 4))
+        tokens, positions, slots, mask = tree_call([A, B, C], [5, 5, 6], [10, 11, 12],
+                                                   [[1, 0, 0], [0, 1, 0], [0, 1, 1]], 5)
+        empty = torch.zeros(2, 3, 0)
+        logits, hidden = drafter.draft_tree_step(tokens, positions, slots, empty, mask)
+        assert hidden is empty
+        for row, branch in enumerate([[X, A], [X, B], [X, B, C]]):
+            torch.testing.assert_close(logits[:, row], own_logits(draft, branch), **CLOSE)
+
+
+def test_the_tree_shape_is_part_of_the_decoder_key():
+    cache = specpass.DecoderCache()
+    model, draft = build("llama"), build("llama", noise=0.1)
+    for k in (TREES[0], 3, TREES[1], TREES[0]):
+        ours(model, IDS[:1], MASK[:1], assistant_model=draft, num_assistant_tokens=k, decoder_cache=cache)
+    assert [decoder.k for decoder in cache] == [3, TREES[1], TREES[0]]
+
+
+def test_compiled_tree_round_is_one_graph():
+    """The whole tree round (draft steps, verify, path copy, accept, catch-up) of a transformers
+    target and draft compiles as one graph through specpass's passes (fullgraph: a break would raise)."""
+    model, draft = build("llama", num_hidden_layers=1), build("llama", noise=0.1, num_hidden_layers=1)
+    out = specpass.generate(model, IDS, attention_mask=MASK, assistant_model=draft, max_new_tokens=NEW,
+                            num_assistant_tokens=TREES[0], compile=specpass.backend(handoff="eager"),
+                            fused_round=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    assert set(out.rewrites) == {"prefill", "decode_round"}, out.rewrites
+    assert any(line.startswith("[live_rows] rewrote") for line in out.rewrites["decode_round"]), out.rewrites
+
+
+def test_tree_rounds_refusals():
+    chain_only = types.SimpleNamespace(hidden_kind=None, setup_caches=None, catch_up=None, draft_step=None,
+                                       to_target=None)  # a Drafter without draft_tree_step
+    _refusal(r"drafter of tree rounds \(SimpleNamespace\) lacks \['draft_tree_step'\]", error=TypeError,
+             assistant_model=chain_only, num_assistant_tokens=TREES[0])
+    draft = build("llama", noise=0.1)
+    _refusal(r"or a specpass.TreeShape.* got \(3, 3, 8\): pass specpass.TreeShape\(3, 3, 8\)",
+             assistant_model=draft, num_assistant_tokens=(3, 3, 8))
+    _refusal(r"num_assistant_tokens=specpass.TreeShape\(topk, steps, tokens\), not draft_tree=", error=TypeError,
+             assistant_model=draft, draft_tree=(3, 3, 8))
+    windowed = dict(model=build("mistral", sliding_window=4), num_assistant_tokens=specpass.TreeShape(2, 4, 6))
+    _refusal(r"model \(MistralForCausalLM\) attends through a 4-token sliding window.* steps < 4",
+             assistant_model=build("mistral", noise=0.1, sliding_window=4), **windowed)

@@ -87,10 +87,14 @@ def test_use_k_switches_and_reuses_what_it_compiled(target, greedy):
     assert backend.graphs == 3  # K 4's round; the chain's prefill does not read K: shared
     dec.use_k(2)
     assert dec.generate(PROMPTS, NEW, eos_id=7).tokens == greedy and backend.graphs == 3  # nothing recompiled
-    for k in (0, -1, 2.5):
-        with pytest.raises(ValueError, match=r"k \(draft tokens per round\) must be an int >= 1"):
+    for k in (-1, 2.5, (4, 5, 16)):
+        with pytest.raises(ValueError, match=r"k must be an int >= 0 .* or a specpass.TreeShape"):
             dec.use_k(k)
     assert dec.k == 2
+    dec.use_k(0)  # the drafter off: plain decoding's rounds and prefill (no drafter half), compiled once
+    out = dec.generate(PROMPTS, NEW, eos_id=7)
+    assert out.tokens == greedy and out.metrics.acceptance == [] and out.metrics.rounds == NEW - 1
+    assert backend.graphs == 5
     with pytest.raises(ValueError, match="plain decoding .* drafts nothing: K is 0, got 3"):
         Decoder(target, None, max_batch=3, max_len=MAX_LEN, compile="eager").use_k(3)
 

@@ -35,7 +35,10 @@ def _reference(q, k, v, mask, scale):
 
 @cuda
 @pytest.mark.parametrize("B,T,hq,hk,S,d", [(16, 5, 32, 8, 4145, 128), (64, 5, 32, 8, 113, 128), (1, 5, 32, 8, 4145, 128),
-                                            (3, 9, 32, 8, 700, 128), (2, 2, 8, 2, 300, 64), (4, 3, 4, 4, 200, 32)])
+                                            (3, 9, 32, 8, 700, 128), (2, 2, 8, 2, 300, 64), (4, 3, 4, 4, 200, 32),
+                                            # tree verifies: more than 64 rows per K/V head, in blocks of 64
+                                            (2, 16, 32, 8, 700, 128), (2, 32, 32, 8, 700, 128), (1, 32, 64, 8, 4145, 128),
+                                            (3, 30, 12, 4, 300, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_matches_fp32_math_as_closely_as_sdpa(B, T, hq, hk, S, d, dtype):
     from specpass.kernels.triton_attention import attend_split
@@ -49,6 +52,27 @@ def test_matches_fp32_math_as_closely_as_sdpa(B, T, hq, hk, S, d, dtype):
         assert got.shape == q.shape and got.dtype == dtype
         err = (got.float() - want).abs().max().item()
         assert err <= 2 * sdpa_err + 1e-3, (splits, err, sdpa_err)
+
+
+@cuda
+@pytest.mark.parametrize("T", [16, 32])
+def test_a_tree_mask_over_blocks_of_rows(T):
+    """A tree verify's mask: the prefix, then each node's own ancestors among the T node slots
+    (random here), at 4 query heads per K/V head: T * 4 rows in one or two blocks."""
+    from specpass.kernels.triton_attention import attend_split
+
+    q, k, v, mask = _case(4, T, 32, 8, 900, 128)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n = torch.tensor([40, 300, 1, 700], device="cuda")
+    slots = torch.arange(900, device="cuda")
+    nodes = torch.rand(4, T, T, device="cuda", generator=g) < 0.3
+    at = (slots - n[:, None]).clamp(0, T - 1)  # [B, S] the slot's node
+    in_tree = (slots >= n[:, None]) & (slots < n[:, None] + T)
+    mask = ((slots < n[:, None])[:, None, :] | (nodes.gather(2, at[:, None, :].expand(4, T, 900))
+                                                   & in_tree[:, None, :]))[:, None]  # [B, 1, T, S]
+    want = _reference(q, k, v, mask, 128**-0.5)
+    err = (attend_split(q, k, v, mask, 128**-0.5).float() - want).abs().max().item()
+    assert err <= 2 * (attend_folded(q, k, v, mask, 128**-0.5).float() - want).abs().max().item() + 1e-3
 
 
 @cuda

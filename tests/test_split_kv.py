@@ -183,7 +183,7 @@ class TestRefusals(expecttest.TestCase):
         self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), d=48)), """head sizes 48 (q, k), 48 (v): the kernel takes powers of two from 16 to 256, one for q and k""")
 
     def test_too_many_rows(self):
-        self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), t=22)), """T = 22 tokens x 3 query heads per K/V head: more than 64 rows per K/V head (or a symbolic length), a prefill's shape""")
+        self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), t=86)), """T = 86 tokens x 3 query heads per K/V head: more than 256 rows per K/V head (or a symbolic length), a prefill's shape""")
 
     def test_one_query_head_per_kv_head(self):
         self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), g=1)), """2 query heads over as many K/V heads: SDPA reads every K/V head once already""")

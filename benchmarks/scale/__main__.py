@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--gemm-at", default="", type=points,
                         help="points where the target's and head's GEMMs are timed alone (cuBLAS): `gemm_floor`")
     parser.add_argument("--gemm-ks", default="4", type=ints, help="K at --gemm-at")
+    parser.add_argument("--trees", default=[], type=harness.tree_shapes, metavar="TOPK,STEPS,TOKENS;...",
+                        help="tree rounds timed at every point (fused, specpass), against the chain's K = steps")
     parser.add_argument("--tune-at", default="", type=points, help="points where Decoder.tune_k picks K")
     parser.add_argument("--tune-ks", default="2,4,6", type=ints)
     parser.add_argument("--tune-max-timings", type=int, default=4, help="K tune_k's search may time beyond --tune-ks")

@@ -30,6 +30,16 @@ def tables(result: dict) -> str:
         speedup = f"{projected(result, r, decode):.2f}x" if decode and r["k"] and r["variant"] != "apart" else "-"
         lines.append(f"| {r['bs']} | {r['prompt']} | {r['variant']} | {r['k'] or '-'} | {r['round_ms']:.3f} | "
                      f"{floor:.3f} | {r['round_ms'] / floor:.2f} | {ratio} | {vs} | {accept} | {speedup} |")
+    if result.get("trees"):
+        lines += ["", "| bs | prompt | tree (topk, steps, tokens) | ms/round | chain K = steps ms/round | tree / chain | "
+                  "round / decode |", "|---|---|---|---|---|---|---|"]
+    for t in result.get("trees", []):
+        at = [x for x in rows if (x["bs"], x["prompt"]) == (t["bs"], t["prompt"])]
+        decode = next((x["round_ms"] for x in at if x["variant"] == "decode"), None)
+        chain = next((x["round_ms"] for x in at if x["variant"] == "specpass" and x["k"] == t["steps"]), None)
+        lines.append(f"| {t['bs']} | {t['prompt']} | {t['tree']} | {t['round_ms']:.3f} | "
+                     + (f"{chain:.3f} | {t['round_ms'] / chain:.3f}" if chain else "- | -")
+                     + (f" | {t['round_ms'] / decode:.2f} |" if decode else " | - |"))
     apart = [r for r in rows if r.get("phase_ms")]
     if apart:
         lines += ["", "| bs | prompt | K | phase | ms (steps apart, CUDA events) | floor ms | / floor |",

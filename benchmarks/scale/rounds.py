@@ -12,7 +12,7 @@ import specpass
 from benchmarks import harness
 from models import zoo
 from models.drafters import adapt
-from specpass.loop import Decoder
+from specpass.loop import Decoder, TreeShape
 
 HEADS = {"eagle3": "eagle3", "parallel": "peagle3"}  # --drafter -> the zoo's head, llama3-8b-<this>
 
@@ -54,10 +54,11 @@ class Bench:
         g = torch.Generator().manual_seed(bs * 7919 + length)
         return torch.randint(0, self.target.config.vocab_size, (bs, length), generator=g).tolist()
 
-    def decoder(self, bs: int, max_len: int, k: int, backend: str | dict[str, Any], fused: bool) -> Decoder:
-        """K drafts per round (0: the target alone); backend: "specpass", "inductor" or specpass options."""
+    def decoder(self, bs: int, max_len: int, k: int | TreeShape, backend: str | dict[str, Any], fused: bool) -> Decoder:
+        """K drafts per round (0: the target alone) or a tree shape; backend: "specpass", "inductor" or
+        specpass options."""
         drafter = adapt(self.head) if k else None
-        return Decoder(self.target, drafter, k=max(k, 1), max_batch=bs, max_len=max_len, compile=self.compiler(backend),
+        return Decoder(self.target, drafter, k=k, max_batch=bs, max_len=max_len, compile=self.compiler(backend),
                        mode=self.mode, fused_round=fused, compile_prefill=False)  # its time cancels out
 
     def compiler(self, backend: str | dict[str, Any]):

@@ -61,11 +61,11 @@ def sweep(args, save) -> dict:
 
     short, long = args.new_tokens
     k_max = max([args.k, *args.k_sweep])
+    slots = lambda prompt: max(cache_slots(prompt, long, k) for k in [k_max, *args.trees])  # noqa: E731
     if dev.type == "cuda":
         for (bs, prompt), queries in ((at, q) for at in args.attention_at for q in (1, args.k + 1)):
             with harness.exclusive(args.gpu_lock):
-                slots = cache_slots(prompt, long, k_max)
-                result["attention"].append(attention_bench(bs, queries, slots, dev))
+                result["attention"].append(attention_bench(bs, queries, slots(prompt), dev))
             print(f"  attention {result['attention'][-1]}", file=sys.stderr, flush=True)
             save(result)
     for (bs, prompt), k in ((at, k) for at in args.gemm_at for k in args.gemm_ks):
@@ -73,7 +73,7 @@ def sweep(args, save) -> dict:
             result["gemm_floor"].append(dict(prompt=prompt, **gemm_floor(bench, bs, k, prompt + long // 2, ceiling)))
         save(result)
     for bs, prompt in args.points:
-        max_len = cache_slots(prompt, long, k_max)
+        max_len = slots(prompt)
         context = prompt + long // 2  # slots a request sees, on average over the timed rounds
         prompts = bench.prompts(bs, prompt)
         runs = [("decode", 0)] + [("specpass", k) for k in [args.k, *(args.k_sweep if (bs, prompt) in args.k_sweep_at
@@ -102,6 +102,19 @@ def sweep(args, save) -> dict:
             save(result)
             print(f"  bs {bs} prompt {prompt} {variant} K {k}: {ms:.3f} ms/round ({row.seconds:.0f} s)",
                   file=sys.stderr, flush=True)
+            del dec
+            bench.release()
+        for tree in args.trees:  # the tree round, fused, specpass: its ms against the chain's (report.tree_table)
+            if late(f"{bs}x{prompt} {tree}"):
+                continue
+            start = time.perf_counter()
+            dec = bench.decoder(bs, max_len, tree, "specpass", True)
+            ms, extra = bench.round_ms(dec, prompts, short, long)
+            result.setdefault("trees", []).append(dict(bs=bs, prompt=prompt, tree=str(tree), steps=tree.steps,
+                                                       tokens=tree.tokens, round_ms=ms, **extra,
+                                                       seconds=time.perf_counter() - start))
+            save(result)
+            print(f"  bs {bs} prompt {prompt} {tree}: {ms:.3f} ms/round", file=sys.stderr, flush=True)
             del dec
             bench.release()
         if (bs, prompt) in args.tune_at and not late(f"{bs}x{prompt} tune_k"):

@@ -14,7 +14,7 @@ from specpass.loop import cache_slots
 
 
 def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save, late: Callable[[str], bool]) -> None:
-    """`Decoder.tune_k` times the fused specpass round at --tune-ks, prices K = 1..8 at the shipped
+    """`Decoder.tune_k` (the chain's K alone) times the fused specpass round at --tune-ks, prices K = 1..8 at the shipped
     pair's acceptance and searches (at most --tune-max-timings more K); the chosen K and the
     --k-sweep K it did not time are then timed the same way on its decoder (nearest the chosen
     first), so the chosen K's tokens/s can be set against the best timed K's. late(what): True
@@ -32,7 +32,7 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save, lat
               file=sys.stderr, flush=True)
 
     tune = functools.partial(dec.tune_k, prompts, args.tune_ks, on_timed=timed, acceptance=acceptance,
-                             new_tokens=args.new_tokens, max_timings=args.tune_max_timings)
+                             new_tokens=args.new_tokens, max_timings=args.tune_max_timings, off=False, trees=())
     if args.gpu_lock:  # compiles every K (kept), so that the tuning below only times
         tune(repeats=1)
     with harness.exclusive(args.gpu_lock):

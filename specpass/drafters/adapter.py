@@ -43,6 +43,13 @@ class DraftAdapter(nn.Module):
     def draft_step(self, tokens, positions, hidden):
         return self.model.draft_step(tokens, positions - self.shift, hidden)
 
+    def draft_tree_step(self, tokens, positions, slots, hidden, mask):
+        """`specpass.TreeDrafter`'s step: slots and the mask's columns shift as positions do (slot
+        s holds position s + shift; no row sees a column past the cache)."""
+        if self.shift:
+            mask = torch.nn.functional.pad(mask[..., self.shift:], (0, self.shift))
+        return self.model.forward_rows(tokens, positions - self.shift, hidden, slots - self.shift, mask)
+
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.to_target(ids)
 

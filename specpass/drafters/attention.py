@@ -30,6 +30,13 @@ def write_cache(cache: torch.Tensor, positions: torch.Tensor, value: torch.Tenso
     cache[batch[:, None], positions] = value
 
 
+def copy_cache(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """`cache[b, dst[b, t]] = cache[b, src[b, t]]` in place, every source read before any write.
+    cache `[B, S, ...]`, src, dst `[B, T]`."""
+    batch = torch.arange(cache.shape[0], device=src.device)[:, None]
+    cache[batch, dst] = cache[batch, src]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """SDPA over the whole cache. q `[B, T, hq, d]`, k `[B, S, hk, d]`, v `[B, S, hk, dv]`,
     mask `[B, 1, T, S]` -> `[B, T, hq, dv]`. Fewer K/V heads than query heads (GQA/MQA) is SDPA's
@@ -72,6 +79,10 @@ class Attention(nn.Module):
         shape = (max_batch, max_len, self.n_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        copy_cache(self.k_cache, src, dst)
+        copy_cache(self.v_cache, src, dst)
 
     def project(self, x: torch.Tensor,
                 rope_cs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:

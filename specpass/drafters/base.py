@@ -1,9 +1,10 @@
 """The draft-model base: a model whose attention layers own static caches, and the catch-up and
 draft steps every draft runs, with the live row selected only at the very end.
 
-A subclass defines `forward_rows(tokens [B, T], positions [B, T], hidden) -> (logits [B, T, V],
-hidden_out [B, T, H])`, which runs every row (writing every row's K/V); `hidden_out` is the state
-before the final norm. `catch_up` and `draft_step` reuse it.
+A subclass defines `forward_rows(tokens [B, T], positions [B, T], hidden, slots=None, mask=None) ->
+(logits [B, T, V], hidden_out [B, T, H])`, which runs every row (writing every row's K/V at its slot,
+by default its position: `layout`); `hidden_out` is the state before the final norm. `catch_up`,
+`draft_step` and a tree's steps reuse it.
 """
 
 from __future__ import annotations
@@ -48,11 +49,28 @@ class CachedModel(nn.Module):
                              "pad the batch or call setup_caches again")
         return attention_mask(positions, self.cache_len)
 
+    def layout(self, positions: torch.Tensor, slots: torch.Tensor | None,
+               mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where rows write their K/V and what they see -> (slots [B, T], mask [B, 1, T, S]): by
+        default slot = position and the causal cache mask; a tree's rows pass both (siblings share
+        a position, not a slot)."""
+        if slots is None:
+            return positions, self.mask(positions)
+        self.mask(positions)  # the call checked against the caches
+        return slots, mask
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every cache: slot dst[b, t] takes slot src[b, t]'s K/V ([B, T]). Each layer copies its own
+        buffers, read as its attributes: so Dynamo keeps them static (CUDA graphs do not copy them)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "setup_cache"):
+                module.copy_slots(src, dst)
+
 
 class Draft(CachedModel):
     """The draft interface: `forward_rows` (a subclass's), then `catch_up` and `draft_step` on it."""
 
-    def forward_rows(self, tokens, positions, hidden):
+    def forward_rows(self, tokens, positions, hidden, slots=None, mask=None):
         raise NotImplementedError
 
     def catch_up(self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,

@@ -148,7 +148,7 @@ class Eagle3Head(Draft):
     def rope_dim(self) -> int:
         return self.config.head_dim
 
-    def forward_rows(self, tokens, positions, hidden):
+    def forward_rows(self, tokens, positions, hidden, slots=None, mask=None):
         if hidden.shape[-1] == self.fc.in_features:
             hidden = self.fc(hidden)  # catch-up: the target's fused states [B, T, 3Ht] -> [B, T, H]
         elif hidden.shape[-1] != self.config.hidden_size:
@@ -156,11 +156,11 @@ class Eagle3Head(Draft):
                              f"[.., {self.config.hidden_size}] (own), got {list(hidden.shape)}")
         embeds = self.embed_tokens(tokens)  # [B, T, H]
         rope_cs = rope(positions, self.rope_dim, self.config.rope_theta, embeds.dtype, self.config.rope_scaling)
-        mask = self.mask(positions)
+        slots, mask = self.layout(positions, slots, mask)
         first, *rest = self.decoder_layers
-        h = first(embeds, hidden, rope_cs, mask, positions)
+        h = first(embeds, hidden, rope_cs, mask, slots)
         for layer in rest:
-            h = layer(h, rope_cs, mask, positions)
+            h = layer(h, rope_cs, mask, slots)
         return self.lm_head(self.norm(h)), h  # [B, T, V_draft], [B, T, H]
 
     @property

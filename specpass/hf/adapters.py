@@ -1,11 +1,13 @@
 """A transformers causal LM behind specpass's `Target` and `Drafter` protocols, unmodified.
 
-    target = HFTarget(model)        # verify: logits [B, T, V]; EAGLE-3 / NextN hidden states
-    drafter = HFDrafter(draft)      # a standalone draft with the target's vocabulary
+    target = HFTarget(model)        # verify: logits [B, T, V]; EAGLE-3 hidden states; a draft tree's verify
+    drafter = HFDrafter(draft)      # a standalone draft with the target's vocabulary; a draft tree's steps
 
 Both call the model's own forward with `position_ids` [B, T] (per request), a 4D mask and a
-`PositionCache` (cache.py), so one batch holds requests at different positions. `check_model`
-refuses, up front and with what to do, the models this cannot drive exactly.
+`PositionCache` (cache.py), so one batch holds requests at different positions, and a draft
+tree's rows sit at the loop's slots under its mask (`specpass.TreeTarget`, `specpass.TreeDrafter`).
+`check_model` and `check_tree` refuse, up front and with what to do, the models this cannot
+drive exactly.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from specpass.hf.cache import PositionCache, visible
+from specpass.hf.cache import PositionCache, causal, visible
 
 ATTENTION = ("sdpa", "eager")  # the implementations that read an arbitrary 4D mask
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -90,17 +92,28 @@ def sliding_window(config, max_len: int) -> int | None:
     return window
 
 
+def check_tree(model: nn.Module, role: str, steps: int, max_len: int) -> None:
+    """Raise ValueError when a draft tree `steps` deep is not shallower than `model`'s sliding
+    window: the mask cuts the window on slot numbers (cache.visible), and a tree's nodes sit at
+    slots past their positions, which is exact only while every node lies within the window of its root."""
+    window = sliding_window(model.config, max_len)
+    if window is not None and steps >= window:
+        raise ValueError(f"{role} ({type(model).__name__}) attends through a {window}-token sliding window, and a "
+                         f"draft tree {steps} steps deep reaches past it from its root: use a TreeShape with "
+                         f"steps < {window}")
+
+
 def _layer_types(config) -> list[str]:
     return list(getattr(config, "layer_types", None) or [])
 
 
 class HFTarget(nn.Module):
-    """`specpass.Target` over a transformers causal LM (its `forward`, unchanged)."""
+    """`specpass.Target` (and `specpass.TreeTarget`) over a transformers causal LM (its `forward`, unchanged)."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        self.cache_keyword: str | None = None  # read in setup_caches, once per Decoder: `run` is called every step
+        self.cache_keyword: str | None = None  # read in setup_caches, once per Decoder: `forward_tree` runs every step
         self.cache: PositionCache | None = None
         self.window: int | None = None
         # SDPA reads a bool mask; eager attention adds the mask to its scores
@@ -117,36 +130,47 @@ class HFTarget(nn.Module):
         self.cache = PositionCache(self.model.config.num_hidden_layers, max_len)
         self.cache_keyword = cache_keyword(self.model)
 
-    def run(self, tokens: Tensor, positions: Tensor, hidden_states: bool = False):
-        """tokens, positions [B, T] -> the model's output (logits [B, T, V])."""
-        self.cache.positions = positions
-        mask = visible(positions, self.cache.slots, self.window, self.mask_dtype)  # [B, 1, T, S]
-        return self.model(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                          **{self.cache_keyword: self.cache}, use_cache=True,
-                          output_hidden_states=hidden_states)
-
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        return self.run(tokens, positions).logits
+        return self.forward_tree(tokens, positions, None, None, None)[0]
 
     def forward_with_hidden(self, tokens: Tensor, positions: Tensor, kind: str) -> tuple[Tensor, Tensor]:
         """-> (logits [B, T, V], hidden [B, T, 3H]): for kind "eagle3", the concatenated
         `hidden_states[i]`, i in (2, L//2, L-3), as EAGLE-3 reads them."""
-        if kind != "eagle3":  # "last" (NextN/MTP) is the state before the final norm, which HF does not report
+        return self.forward_tree(tokens, positions, None, None, kind)
+
+    def forward_tree(self, tokens: Tensor, positions: Tensor, slots: Tensor | None, mask: Tensor | None,
+                     kind: str | None) -> tuple[Tensor, Tensor | None]:
+        """`specpass.TreeTarget`'s verify, and every other call: tokens, positions (RoPE) [B, T],
+        each row's K/V written at slots [B, T], seeing the slots `mask` [B, 1, T, S] bool marks
+        (both None: slot = position, seeing slots up to it) -> (logits [B, T, V], the hidden
+        states of `kind`: None, or "eagle3" [B, T, 3H])."""
+        if kind not in (None, "eagle3"):  # "last" (NextN/MTP) is the state before the final norm, not reported
             raise ValueError(f"a transformers target gives EAGLE-3's hidden states (kind 'eagle3') only, not {kind!r}: "
                              "it reports its last layer after the final norm; use an EAGLE-3 head or a standalone "
                              "draft")
-        out = self.run(tokens, positions, hidden_states=True)
+        self.cache.write_slots = positions if slots is None else slots
+        seen = causal(positions, self.cache.slots) if mask is None else mask
+        out = self.model(input_ids=tokens, position_ids=positions,
+                         attention_mask=visible(positions, seen, self.window, self.mask_dtype),  # [B, 1, T, S]
+                         **{self.cache_keyword: self.cache}, use_cache=True, output_hidden_states=kind is not None)
+        if kind is None:
+            return out.logits, None
         states = out.hidden_states  # L + 1: the embeddings, then the input of each later layer
         L = len(states) - 1
         if L < 3:
             raise ValueError(f"EAGLE-3 reads layers 2, L//2 and L-3: the target needs 3 layers or more, not {L}")
         return out.logits, torch.cat([states[i] for i in (2, L // 2, L - 3)], dim=-1)
 
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """`specpass.TreeTarget`'s: every layer's slot dst[b, t] takes slot src[b, t]'s K/V ([B, T])."""
+        self.cache.copy_slots(src, dst)
+
 
 class HFDrafter(nn.Module):
-    """`specpass.Drafter` over a standalone transformers causal LM with the target's
-    vocabulary. Its catch-up is the plain forward, then one row per request: the gather that
-    specpass's live-row pass moves up to right after the KV writes. It carries no hidden state."""
+    """`specpass.Drafter` (and `specpass.TreeDrafter`) over a standalone transformers causal LM
+    with the target's vocabulary. Its catch-up is the plain forward, then one row per request: the
+    gather that specpass's live-row pass moves up to right after the KV writes. It carries no
+    hidden state."""
 
     hidden_kind = None
 
@@ -166,6 +190,12 @@ class HFDrafter(nn.Module):
     def draft_step(self, tokens: Tensor, positions: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """[B] token, [B] position -> (logits [B, V], the empty hidden passed in)."""
         return self.lm(tokens[:, None], positions[:, None])[:, 0], hidden
+
+    def draft_tree_step(self, tokens: Tensor, positions: Tensor, slots: Tensor, hidden: Tensor,
+                        mask: Tensor) -> tuple[Tensor, Tensor]:
+        """A draft tree's frontier: tokens, positions, slots [B, T], mask [B, 1, T, S] -> (logits
+        [B, T, V], the empty hidden passed in, [B, T, 0])."""
+        return self.lm.forward_tree(tokens, positions, slots, mask, None)[0], hidden
 
     def to_target(self, ids: Tensor) -> Tensor:
         return ids

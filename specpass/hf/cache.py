@@ -5,8 +5,9 @@ rejected draft's slot is overwritten when that position comes again, and a query
 sees slots 0..p only. Hugging Face's caches write at one offset shared by the batch
 (`StaticCache`: a running `cumulative_length`; 5.17 also a `cache_position` [T]), so requests of
 different lengths cannot share one. `PositionCache` is a `transformers.Cache` whose layers write
-`keys[b, :, positions[b, t]] = k[b, :, t]`, the positions being the ones passed as `position_ids`;
-`visible` is the matching 4D mask, which every model that builds its mask with
+`keys[b, :, slots[b, t]] = k[b, :, t]`, the slots being the positions passed as `position_ids`
+(a draft tree's rows pass their own: siblings share a position, not a slot); `causal` and
+`visible` make the matching 4D mask, which every model that builds its mask with
 `create_causal_mask` passes through unchanged. See docs/hf.md for the alternative and its cost.
 """
 
@@ -18,7 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class PositionLayer(CacheLayerMixin):
-    """One attention layer's static K/V, [B, kv_heads, S, head_dim], written at the cache's positions.
+    """One attention layer's static K/V, [B, kv_heads, S, head_dim], written at the cache's `write_slots`.
 
     Allocated on the first write (as `StaticLayer` does), so heads and head sizes come from the
     model's own key states; that write is the loop's probe, run before anything is compiled.
@@ -44,11 +45,11 @@ class PositionLayer(CacheLayerMixin):
         """k, v [B, kv_heads, T, d] -> the whole cache [B, kv_heads, S, d], read under `visible`'s mask."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        positions = self.cache.positions  # [B, T]
-        batch = torch.arange(positions.shape[0], device=positions.device)[:, None]  # [B, 1]
+        slots = self.cache.write_slots  # [B, T]
+        batch = torch.arange(slots.shape[0], device=slots.device)[:, None]  # [B, 1]
         # Advanced indices around a slice put [B, T] first: the values are [B, T, kv_heads, d].
-        self.keys[batch, :, positions] = key_states.transpose(1, 2)
-        self.values[batch, :, positions] = value_states.transpose(1, 2)
+        self.keys[batch, :, slots] = key_states.transpose(1, 2)
+        self.values[batch, :, slots] = value_states.transpose(1, 2)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -62,23 +63,38 @@ class PositionLayer(CacheLayerMixin):
 
 
 class PositionCache(Cache):
-    """`num_layers` `PositionLayer`s of `slots` positions each; set `positions` [B, T] before each forward."""
+    """`num_layers` `PositionLayer`s of `slots` slots each; set `write_slots` [B, T] before each forward."""
 
     def __init__(self, num_layers: int, slots: int):
         self.slots = slots
-        self.positions: Tensor | None = None
+        self.write_slots: Tensor | None = None  # [B, T] where each row's K/V goes: its position, but in a tree
         super().__init__(layers=[PositionLayer(self) for _ in range(num_layers)])
 
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Every layer's slot dst[b, t] takes what slot src[b, t] holds (src, dst [B, T]; each
+        layer's sources gathered before its writes)."""
+        batch = torch.arange(src.shape[0], device=src.device)[:, None]  # [B, 1]
+        for layer in self.layers:
+            layer.keys[batch, :, dst] = layer.keys[batch, :, src]  # [B, T, kv_heads, d]
+            layer.values[batch, :, dst] = layer.values[batch, :, src]
 
-def visible(positions: Tensor, cache_len: int, window: int | None, dtype: torch.dtype) -> Tensor:
-    """positions [B, T] -> the mask [B, 1, T, S]: row t of request b sees slots
-    positions[b, t] - window < s <= positions[b, t] (no lower bound without a sliding window).
+
+def causal(positions: Tensor, cache_len: int) -> Tensor:
+    """positions [B, T] -> [B, 1, T, S] bool: row t of request b sees slots s <= positions[b, t]
+    (slot = position: what every call but a draft tree's passes)."""
+    slots = torch.arange(cache_len, device=positions.device)  # [S]
+    return slots <= positions[:, None, :, None]
+
+
+def visible(positions: Tensor, seen: Tensor, window: int | None, dtype: torch.dtype) -> Tensor:
+    """positions [B, T], seen [B, 1, T, S] bool (the slots each row may see) -> the model's mask:
+    `seen`, cut to slots s > positions[b, t] - window under a sliding window. The window is read
+    on slot numbers: exact below a draft tree (slot = position), and over the tree's own slots
+    (all at or past its root's) while the tree is shallower than the window (adapters.check_tree).
     dtype bool: True where seen, what SDPA reads and transformers itself passes it (and what the
     split-KV kernel takes, passes/split_kv.py); a float dtype: additive (0 / the dtype's min), what
     eager attention adds to its scores."""
-    slots = torch.arange(cache_len, device=positions.device)  # [S]
-    query = positions[:, None, :, None]  # [B, 1, T, 1]
-    seen = slots <= query
     if window is not None:
-        seen &= slots > query - window
+        slots = torch.arange(seen.shape[-1], device=positions.device)  # [S]
+        seen = seen & (slots > positions[:, None, :, None] - window)
     return seen if dtype == torch.bool else (~seen).to(dtype) * torch.finfo(dtype).min

@@ -25,8 +25,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from specpass.compile_backend import backend as specpass_backend
-from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair
-from specpass.loop import Decoder, Metrics, round_shape
+from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
+from specpass.loop import Decoder, Metrics, TreeShape, round_shape
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
 
@@ -48,8 +48,9 @@ class _Entry(NamedTuple):
 
 class DecoderCache:
     """The compiled Decoders `generate` keeps for reuse, one per configuration (the model and the
-    assistant, K, batch size, cache length, compile options), each holding its models, KV caches
-    and compiled graphs (CUDA graphs on a GPU); the least recently used is dropped beyond `keep`.
+    assistant, K or the tree shape, batch size, cache length, compile options), each holding its
+    models, KV caches and compiled graphs (CUDA graphs on a GPU); the least recently used is
+    dropped beyond `keep`.
 
         specpass.generate.cache                  the one `generate` uses by default (keep=4)
         len(cache), list(cache)                  its Decoders, least recently used first
@@ -92,22 +93,26 @@ class DecoderCache:
 
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attention_mask: Tensor | None = None,
-             assistant_model: Any = None, num_assistant_tokens: int = 4, eos_token_id: int | list[int] | None = None,
-             pad_token_id: int | None = None, do_sample: bool = False, tokenizer: Any = None,
-             assistant_tokenizer: Any = None, compile: str | Callable = "specpass", mode: str | None = None,
-             fused_round: bool | None = None, cache_len: int | None = None, return_dict_in_generate: bool = False,
-             decoder_cache: DecoderCache | None = None, **sampling: Any) -> Tensor | GenerateOutput:
+             assistant_model: Any = None, num_assistant_tokens: int | TreeShape = 4,
+             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, do_sample: bool = False,
+             tokenizer: Any = None, assistant_tokenizer: Any = None, compile: str | Callable = "specpass",
+             mode: str | None = None, fused_round: bool | None = None, cache_len: int | None = None,
+             return_dict_in_generate: bool = False, decoder_cache: DecoderCache | None = None,
+             **sampling: Any) -> Tensor | GenerateOutput:
     """Lossless speculative decoding of `model`, greedy or sampled; see docs/hf.md.
 
     assistant_model: None (plain decoding, compiled the same way), a transformers causal LM with the
       model's tokenizer (a standalone draft), or any `specpass.Drafter`, e.g. an
       EAGLE-3 head (`models.drafters.ZooDrafter`), which reads the model's hidden states.
-    num_assistant_tokens: K, the drafts per round. eos_token_id, pad_token_id: default the model's
+    num_assistant_tokens: K, the drafts per round, or a `specpass.TreeShape(topk, steps, tokens)`:
+      tree rounds (a drafted tree verified whole; the assistant must be a `specpass.TreeDrafter`,
+      as a standalone draft and an EAGLE-3 head are). eos_token_id, pad_token_id: default the model's
       generation_config's. tokenizer, assistant_tokenizer: when both are given, their vocabularies
       must be the same. compile: "specpass", "inductor", "eager" or a backend callable; mode,
       fused_round: default CUDA graphs ("reduce-overhead") and the fused round on a GPU.
     cache_len: the static cache length (default: the longest prompt + max_new_tokens + 2K + 1, 3K for
-      a parallel drafter: the round shape's `cache_slots`);
+      a parallel drafter, steps - 1 + max(tokens, steps + 2 + (steps - 1) * topk) for a tree: the
+      round shape's `cache_slots`);
       a fixed one lets calls with other prompt lengths reuse the compiled steps.
     decoder_cache: where the compiled Decoders are kept for the next call (default `generate.cache`,
       which keeps 4; a `DecoderCache` of your own, or `DecoderCache(keep=0)` to keep none).
@@ -119,17 +124,24 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     if standalone:
         check_model(assistant_model, "assistant_model")
         check_pair(model, assistant_model, (tokenizer, assistant_tokenizer))
-    k = num_assistant_tokens if assistant_model is not None else 0
+    if "draft_tree" in sampling:
+        raise TypeError("generate() takes tree rounds as num_assistant_tokens=specpass.TreeShape(topk, steps, tokens), "
+                        "not draft_tree=")
+    k = _k(num_assistant_tokens) if assistant_model is not None else 0
     prompts = _prompts(input_ids, attention_mask)
     eos = _eos(model, eos_token_id)
     pad = next((p for p in (pad_token_id, model.generation_config.pad_token_id, eos) if p is not None), None)
     options = _sampling(model, do_sample, sampling)
 
     drafter = HFDrafter(assistant_model) if standalone else assistant_model
-    need = round_shape(drafter).cache_slots(max(map(len, prompts)), max_new_tokens, k)
+    need = round_shape(drafter, k).cache_slots(max(map(len, prompts)), max_new_tokens, k)
     if cache_len is not None and cache_len < need:
         raise ValueError(f"cache_len {cache_len} is shorter than the {need} slots the longest prompt + max_new_tokens "
                          f"need at K {k} (`cache_slots`): raise it to {need} or more")
+    if isinstance(k, TreeShape):
+        check_tree(model, "model", k.steps, cache_len or need)
+        if standalone:
+            check_tree(assistant_model, "assistant_model", k.steps, cache_len or need)
     cuda = model.device.type == "cuda"
     mode = mode if mode is not None else "reduce-overhead" if cuda else None
     fused_round = fused_round if fused_round is not None else cuda
@@ -158,6 +170,16 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
 
 
 generate.cache = DecoderCache(keep=4)
+
+
+def _k(num_assistant_tokens: Any) -> int | TreeShape:
+    """num_assistant_tokens, checked: an int K >= 0 (0: plain decoding) or a TreeShape."""
+    k = num_assistant_tokens
+    if isinstance(k, TreeShape) or isinstance(k, int) and not isinstance(k, bool) and k >= 0:
+        return k
+    hint = f": pass specpass.TreeShape{tuple(k)}" if isinstance(k, (tuple, list)) and len(k) == 3 else ""
+    raise ValueError(f"num_assistant_tokens must be an int >= 0 (drafts per round; 0: plain decoding) or a "
+                     f"specpass.TreeShape(topk, steps, tokens) (tree rounds), got {k!r}{hint}")
 
 
 def _prompts(input_ids: Tensor, attention_mask: Tensor | None) -> list[list[int]]:

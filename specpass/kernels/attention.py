@@ -23,9 +23,9 @@ def attend_folded(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -
     return out.view(B, hk, T, g, dv).transpose(1, 2).reshape(B, T, hq, dv)  # [B, hk, T*g, dv] -> [B, T, hq, dv]
 
 
-# tl.dot's rows: T * g query rows per program (padded to a power of two, 16 at least); more
-# rows per K/V head than this are a prefill's, where SDPA's kernels are the right ones.
-SPLIT_MAX_ROWS = 64
+# T * g query rows per K/V head, in programs of up to 64 (a tree verify of 32 nodes at g = 8 is
+# 256); more rows than this are a prefill's, where SDPA's kernels are the right ones.
+SPLIT_MAX_ROWS = 256
 
 
 def attend_split_refusal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> str | None:

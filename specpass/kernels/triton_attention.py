@@ -6,7 +6,9 @@ all S slots alone, 128 programs at bs 16 on 132 SMs, far from the copy bandwidth
 program takes one chunk of the slots for all g query heads of its K/V head and every token (each
 K/V element read once), writes its rows' partial output and log-sum-exp, and a second kernel merges
 the chunks. q `[B, T, hq, d]`, k `[B, S, hk, d]`, v `[B, S, hk, dv]` (the caches' own layout),
-mask `[B, 1, T, S]` bool -> `[B, T, hq, dv]`.
+mask `[B, 1, T, S]` bool -> `[B, T, hq, dv]`. More than 64 rows per K/V head (a tree verify: 32
+nodes x 4 query heads) run in blocks of 64 rows, a third grid axis: each block reads the chunk's
+K/V once, so 128 rows read it twice, still g times less than one program per query head.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def _partial(Q, K, V, Mask, Part, Lse, scale_log2,
     split = tl.program_id(1)
     b = bh // HK
     h = bh % HK
-    rows = tl.arange(0, M)  # row r: token r // G, query head h * G + r % G
+    rows = tl.program_id(2) * M + tl.arange(0, M)  # row r: token r // G, query head h * G + r % G
     t = rows // G
     live = t < T
     offs_d = tl.arange(0, D)
@@ -51,7 +53,7 @@ def _partial(Q, K, V, Mask, Part, Lse, scale_log2,
         v = tl.load(V + b * sv_b + n[:, None] * sv_s + h * sv_h + offs_dv[None, :], mask=inside[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    part = (bh * tl.num_programs(1) + split) * M + rows
+    part = (bh * tl.num_programs(1) + split) * (M * tl.num_programs(2)) + rows
     tl.store(Part + part[:, None] * DV + offs_dv[None, :], acc / tl.where(l_i > 0, l_i, 1.0)[:, None])
     tl.store(Lse + part, m_i + tl.log2(l_i))  # -inf where the chunk holds no slot the row sees
 
@@ -62,14 +64,14 @@ def _merge(Part, Lse, Out, so_b, so_t, so_h, T, HK, splits,
     bh = tl.program_id(0)
     b = bh // HK
     h = bh % HK
-    rows = tl.arange(0, M)
+    rows = tl.program_id(1) * M + tl.arange(0, M)
     t = rows // G
     offs_dv = tl.arange(0, DV)
     m = tl.full([M], float("-inf"), tl.float32)
     l = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, DV], tl.float32)
     for split in range(splits):
-        part = (bh * splits + split) * M + rows
+        part = (bh * splits + split) * (M * tl.num_programs(1)) + rows
         lse = tl.load(Lse + part)
         m_new = tl.maximum(m, lse)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -98,17 +100,18 @@ def attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     g = hq // hk
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    M = max(16, triton.next_power_of_2(T * g))  # tl.dot needs 16 rows or more
-    chunk = triton.cdiv(triton.cdiv(S, splits or splits_for(B * hk, S, q.device, block_n)), block_n) * block_n
+    M = min(64, max(16, triton.next_power_of_2(T * g)))  # rows per program: tl.dot needs 16 or more
+    blocks = triton.cdiv(T * g, M)
+    chunk = triton.cdiv(triton.cdiv(S, splits or splits_for(B * hk * blocks, S, q.device, block_n)), block_n) * block_n
     splits = triton.cdiv(S, chunk)
-    part = torch.empty(B * hk * splits * M, dv, device=q.device, dtype=torch.float32)
-    lse = torch.empty(B * hk * splits * M, device=q.device, dtype=torch.float32)
+    part = torch.empty(B * hk * splits * blocks * M, dv, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B * hk * splits * blocks * M, device=q.device, dtype=torch.float32)
     out = q.new_empty(B, T, hq, dv)
-    _partial[(B * hk, splits)](
+    _partial[(B * hk, splits, blocks)](
         q, k, v, mask, part, lse, scale * 1.4426950408889634,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0), mask.stride(2), mask.stride(3),
         T, S, hk, chunk, G=g, M=M, D=d, DV=dv, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    _merge[(B * hk,)](part, lse, out, out.stride(0), out.stride(1), out.stride(2), T, hk, splits,
+    _merge[(B * hk, blocks)](part, lse, out, out.stride(0), out.stride(1), out.stride(2), T, hk, splits,
                       G=g, M=M, DV=dv, num_warps=4)
     return out

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from specpass.loop import steps
 from specpass.loop.protocols import Drafter, Target
-from specpass.loop.steps import Carry, Proposal, Steps
+from specpass.loop.steps import Carry, Proposal, Steps, is_int
 from specpass.sampling import Params
 
 
@@ -69,7 +69,10 @@ class ChainRound:
         slots, the catch-up and draft steps up to K+1."""
         return prompt_len + max_new_tokens + 2 * k + 1
 
-    def bind(self, target: Target, drafter: Drafter, k: int, sampled: bool) -> Steps:
+    def takes(self, k: object) -> bool:
+        return is_int(k) and k >= 1
+
+    def bind(self, target: Target, drafter: Drafter, k: int, sampled: bool, slots: int) -> Steps:
         return Steps(draft=functools.partial(draft, drafter, k, sampled),
                      verify=functools.partial(steps.verify, target, drafter.hidden_kind, drafter.to_target),
                      accept=steps.accept,

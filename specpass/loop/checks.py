@@ -11,28 +11,25 @@ import torch
 
 from specpass.loop.protocols import Target, require
 from specpass.loop.runtime import COMPILERS
-from specpass.loop.shapes import RoundShape, round_shape
+from specpass.loop.shapes import round_shape
+from specpass.loop.steps import is_int
+from specpass.loop.tree import TreeShape
 
 
-def is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_models(target: Any, drafter: Any) -> RoundShape:
-    """The target and the drafter have the members the loop calls -> the drafter's round shape."""
+def check_models(target: Any, drafter: Any) -> None:
+    """The target and the drafter have the members the loop calls."""
     require(target, "target", Target, optional=("forward_with_hidden",))
-    shape = round_shape(drafter)
+    round_shape(drafter)
     if drafter is not None and drafter.hidden_kind is not None:
         require(target, "target", Target)  # the drafter reads the target's hidden states
-    return shape
 
 
 def check_k(drafter: Any, k: Any) -> None:
     if drafter is None and k != 0:
         raise ValueError(f"plain decoding (drafter=None) drafts nothing: K is 0, got {k!r}")
-    if drafter is not None and (not is_int(k) or k < 1):
-        raise ValueError(f"k (draft tokens per round) must be an int >= 1, got {k!r}; "
-                         "for plain decoding pass drafter=None")
+    if drafter is not None and not (is_int(k) and k >= 0 or isinstance(k, TreeShape)):
+        raise ValueError(f"k must be an int >= 0 (draft tokens per round; 0: the drafter off, plain decoding) "
+                         f"or a specpass.TreeShape(topk, steps, tokens) (tree rounds), got {k!r}")
 
 
 def check_options(max_batch: Any, max_len: Any, compile: Any, compile_prefill: Any, skip_guards: Any) -> None:

@@ -1,22 +1,25 @@
 """The choice of K: tokens per round from the acceptance per draft position, ms per round priced
-from the K measured, and the local search `Decoder.tune_k` runs with them."""
+from the K measured, and the local search `Decoder.tune_k` runs with them; then the chain's best
+against plain decoding (K 0) and tree shapes, each timed with its measured acceptance."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 
 @dataclasses.dataclass
 class KChoice:
-    """What `Decoder.tune_k` measured and chose."""
+    """What `Decoder.tune_k` measured and chose. Keys are K (0: plain decoding) or tree shapes."""
 
-    k: int  # the K the decoder runs from now on
-    round_ms: dict[int, float]  # K -> measured ms per round, in the order timed
-    acceptance: list[float]  # per draft position 1..N: the candidates are K = 1..N that fit the caches
-    tokens_per_ms: dict[int, float]  # K -> the cost model's tokens per ms per request
-    why: dict[int, str]  # K -> why it was timed: given in `ks`, or the search's reason
-    verified: bool  # the chosen K and its neighbours were all timed (False: max_timings stopped the search)
+    k: Any  # the K (0: the drafter off) or TreeShape the decoder runs from now on
+    round_ms: dict[Any, float]  # K -> measured ms per round, in the order timed
+    acceptance: list[float]  # the chain's, per draft position 1..N: its candidates are K = 1..N that fit the caches
+    tokens_per_ms: dict[Any, float]  # K -> tokens per ms per request: the chain's priced, plain's and trees' measured
+    why: dict[Any, str]  # K -> why it was timed: given in `ks`, the search's reason, off, a tree shape
+    verified: bool  # the chain's K and its neighbours were all timed (False: max_timings stopped the search)
+    tree_acceptance: dict[Any, list[float]] = dataclasses.field(default_factory=dict)  # tree -> per depth, measured
 
 
 def expected_accept_length(acceptance: Sequence[float]) -> float:

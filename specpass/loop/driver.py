@@ -31,9 +31,11 @@ from specpass.loop import runtime
 from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts, check_timing,
                                   check_tuning, device_of, is_int, probe)
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, price
-from specpass.loop.protocols import Drafter, Target
+from specpass.loop.protocols import Drafter, Target, TreeDrafter, TreeTarget
 from specpass.loop.runtime import DoneFlags, PhaseTimer, clock, compiler, replayed
+from specpass.loop.shapes import PLAIN, RoundShape, round_shape
 from specpass.loop.steps import Carry, State, Steps, carried, decode_round, prefill_step
+from specpass.loop.tree import TREES, TreeShape, depth
 from specpass.sampling import Params, per_request
 
 
@@ -72,12 +74,14 @@ class Run(NamedTuple):
     state: State
     carry: Carry  # what the last catch-up handed the next round
     params: Params | None  # sampling parameters; None: greedy
+    k: int | TreeShape  # the K (or tree shape) it runs at
 
 
 @dataclasses.dataclass(frozen=True)
 class Bound:
     """One K's steps, bound and compiled (lazily, on their first call), kept for `use_k`."""
 
+    shape: RoundShape  # the round shape K runs
     steps: Steps  # the round shape's functions with the models and K bound (what specpass.explain reads)
     apart: Steps | None  # their compiled forms, one graph each; None when the round is fused
     round: Callable[[State, Carry, Params | None], tuple[State, Carry, Tensor]]  # one round, as the loop calls it
@@ -104,7 +108,8 @@ class Decoder:
 
     Decoding, and its parts for benchmarks (every one the same code `generate` runs):
       dec.generate(prompts, max_new_tokens, ...) -> Output     the whole loop, metrics included
-      dec.k; dec.use_k(k)          the drafts per round; decode with K from now on (compiled once per K, kept)
+      dec.k; dec.use_k(k)          the drafts per round; decode with K from now on (compiled once per K, kept);
+                                   K 0: plain decoding; a TreeShape(topk, steps, tokens): tree rounds
       run = dec.start(prompts, max_new_tokens, eos_id, *, temperature, top_k, top_p, seed, position=None)
                                    the checks and the prefill -> a `Run`; position: then move every
                                    request there (a benchmark of long contexts without their prefill)
@@ -115,11 +120,11 @@ class Decoder:
       dec.steps                    the current K's steps, uncompiled (`specpass.explain(dec.steps.catch_up, ...)`)
     """
 
-    def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int = 4, max_batch: int,
+    def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int | TreeShape = 4, max_batch: int,
                  max_len: int, compile: str | Callable = "specpass", mode: str | None = None,
                  fused_round: bool = False, greedy_drafts: bool = False, compile_prefill: bool = True,
                  skip_guards: bool = True):
-        self._shape = check_models(target, drafter)
+        check_models(target, drafter)
         check_k(drafter, k if drafter is not None else 0)  # before any cache is allocated (`use_k` below)
         check_options(max_batch, max_len, compile, compile_prefill, skip_guards)
         self.target, self.drafter = target, drafter
@@ -140,8 +145,8 @@ class Decoder:
         self.use_k(k if drafter is not None else 0)
 
     @property
-    def k(self) -> int:
-        """Draft tokens per round (0: plain decoding)."""
+    def k(self) -> int | TreeShape:
+        """Draft tokens per round (0: plain decoding), or the tree shape of tree rounds."""
         return self._k
 
     @property
@@ -149,17 +154,19 @@ class Decoder:
         """The current K's steps with the models bound, uncompiled: what `specpass.explain` reads."""
         return self._bound[self._k].steps
 
-    def use_k(self, k: int) -> None:
-        """Decode with K drafts per round from now on: the steps with K bound, compiled (lazily) once
-        per K and kept, so switching back compiles nothing."""
+    def use_k(self, k: int | TreeShape) -> None:
+        """Decode with K drafts per round from now on (0: the drafter off; a `TreeShape`: tree
+        rounds): the steps with K bound, compiled (lazily) once per K and kept, so switching back
+        compiles nothing."""
         check_k(self.drafter, k)
         if k not in self._bound:
             self._bound[k] = self._bind(k)
         self._k = k
 
-    def _bind(self, k: int) -> Bound:
+    def _bind(self, k: int | TreeShape) -> Bound:
         sampled = not self.greedy_drafts
-        steps = self._shape.bind(self.target, self.drafter, k, sampled)
+        shape = round_shape(self.drafter, k)
+        steps = shape.bind(self.target, self.drafter, k, sampled, self.max_len)
         if self.fused_round:
             apart, run_round = None, self._wrap(functools.partial(decode_round, steps), "decode_round")
         else:  # `carried` moves nothing: no graph
@@ -169,11 +176,11 @@ class Decoder:
         # Prompt lengths vary: one graph with a symbolic length, no CUDA graphs (one would be
         # recorded per length, for one call of large kernels per generate).
         # A shape whose prefill does not read K (the chain's) compiles it once for every K.
-        shared = not self._shape.prefill_reads_k and next(iter(self._bound.values()), None)
+        shared = not shape.prefill_reads_k and next((b for b in self._bound.values() if b.shape is shape), None)
+        hidden_kind = None if shape is PLAIN else self._hidden_kind
         prefill = shared.prefill if shared else self._wrap_prefill(functools.partial(
-            prefill_step, self.target, self._hidden_kind, self._shape.prefill_catch_up(self.drafter, k, sampled)),
-            "prefill")
-        return Bound(steps, apart, replayed(run_round) if self.cudagraphs else run_round, prefill)
+            prefill_step, self.target, hidden_kind, shape.prefill_catch_up(self.drafter, k, sampled)), "prefill")
+        return Bound(shape, steps, apart, replayed(run_round) if self.cudagraphs else run_round, prefill)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
@@ -232,7 +239,7 @@ class Decoder:
         """
         prompts, limits, eos, params = self._request(prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed)
         if position is not None:
-            check_position(position, prompts, limits, self.max_len, self._k, self._shape.cache_slots)
+            check_position(position, prompts, limits, self.max_len, self._k, self._bound[self._k].shape.cache_slots)
         run = self._prefill(prompts, limits, eos, params)
         if position is None:
             return run
@@ -245,15 +252,14 @@ class Decoder:
         return (`clock` waits). Requests that finish stay in the batch and emit nothing."""
         if not is_int(n) or n < 0:
             raise ValueError(f"n (rounds to run) must be an int >= 0, got {n!r}")
-        started = run.state.stats.shape[0] - 1
-        if started != self._k:
-            raise ValueError(f"the run was started at K {started} and the decoder is at K {self._k}: "
-                             f"call use_k({started}) first, or start a new run")
+        if run.k != self._k:
+            raise ValueError(f"the run was started at K {run.k} and the decoder is at K {self._k}: "
+                             f"call use_k({run.k!r}) first, or start a new run")
         state, carry = run.state, run.carry
         with contextlib.closing(self._replay(self._bound[self._k].round, run)) as replay:
             for _, (state, carry, _) in zip(range(n), replay):
                 pass
-        return Run(state, carry, run.params)
+        return Run(state, carry, run.params, run.k)
 
     def clock(self) -> float:
         """Seconds (time.perf_counter), after the device has finished what was queued."""
@@ -276,9 +282,10 @@ class Decoder:
 
     def tune_k(self, prompts: Sequence[Sequence[int]], ks: Sequence[int] = (2, 6), *,
                acceptance: Sequence[float] | None = None, new_tokens: tuple[int, int] = (8, 40),
-               repeats: int = 3, max_timings: int = 4,
-               on_timed: Callable[[int, float], None] | None = None) -> KChoice:
-        """Choose K for this batch size from measured costs, then decode with it (`choose_k`).
+               repeats: int = 3, max_timings: int = 4, off: bool = True, trees: Sequence[TreeShape] | None = None,
+               on_timed: Callable[[Any, float], None] | None = None) -> KChoice:
+        """Choose the round for this batch size from measured costs: plain decoding (K 0), the
+        chain's best K, or a tree shape; then decode with it.
 
         Each K in `ks` is compiled (and kept: switching back costs nothing) and its ms per round
         timed on `prompts` (`round_ms` with `new_tokens` = (short, long) and `repeats`); a round's
@@ -289,19 +296,31 @@ class Decoder:
         prompts and `new_tokens[1]`, priced by `price`. Then a local search: while the best-priced K
         or a neighbour K +- 1 is untimed, time the one `next_k_to_time` names and price again, at
         most `max_timings` times; so the chosen K is measured, and better than its measured
-        neighbours. on_timed(k, ms) is called after each K is timed.
+        neighbours.
+
+        Then, against that K's tokens per ms: plain decoding (off=True), timed (a round emits one
+        token), and each shape of `trees` (None: `TREES` when the drafter and the target draft trees,
+        else none), timed with its accepted length measured on `prompts` (a tree's acceptance is its
+        own: no chain run gives it). The most tokens per ms wins. on_timed(k, ms) is called after each
+        K or shape is timed.
         """
         if self.drafter is None:
             raise ValueError("plain decoding (drafter=None) drafts nothing: there is no K to tune")
         timed = check_tuning(ks, acceptance, new_tokens, repeats, max_timings)
+        if trees is None:
+            trees = TREES if self._drafts_trees() else ()
+        for tree in trees:
+            check_k(self.drafter, tree)
+            if not isinstance(tree, TreeShape):
+                raise ValueError(f"trees must hold specpass.TreeShape values, got {tree!r}")
         short, long = new_tokens
-        for k in timed:  # every K fits the caches, checked before anything compiles
+        for k in [*timed, *trees]:  # every K fits the caches, checked before anything compiles
             try:
                 self._check_prompts(prompts, [long] * len(prompts), k)
             except ValueError as exc:
                 raise ValueError(f"tuning at K = {k}: {exc}") from None
         longest = max(len(p) for p in prompts)
-        fits = lambda k: self._shape.cache_slots(longest, long, k) <= self.max_len  # noqa: E731
+        fits = lambda k: round_shape(self.drafter, k).cache_slots(longest, long, k) <= self.max_len  # noqa: E731
 
         def time_k(k: int) -> tuple[float, list[float]]:
             self.use_k(k)
@@ -320,12 +339,23 @@ class Decoder:
             best = choose_k(round_ms, candidates)
             why[k] = "priced best" if k == best else f"neighbour of K {best}, priced best"
             round_ms[k], _ = time_k(k)
-        chosen = choose_k(round_ms, candidates)
-        self.use_k(chosen)
+        verified = k is None
         rates = {k: expected_accept_length(acceptance[:k]) / ms for k, ms in price(round_ms, len(candidates)).items()}
-        return KChoice(chosen, round_ms, acceptance, rates, why, verified=k is None)
+        chosen, per_depth = choose_k(round_ms, candidates), {}
+        for k in [0] * off + list(trees):
+            round_ms[k], per_depth[k] = time_k(k)
+            why[k] = "the drafter off: plain decoding" if k == 0 else "a tree shape"
+            rates[k] = expected_accept_length(per_depth[k]) / round_ms[k]
+            if rates[k] > rates[chosen]:
+                chosen = k
+        self.use_k(chosen)
+        return KChoice(chosen, round_ms, acceptance, rates, why, verified,
+                       {k: v for k, v in per_depth.items() if k != 0})
 
     # --- the loop's parts
+
+    def _drafts_trees(self) -> bool:
+        return isinstance(self.drafter, TreeDrafter) and isinstance(self.target, TreeTarget)
 
     def _request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  eos_id: int | Sequence[int] | None, temperature: Any, top_k: Any, top_p: Any,
@@ -339,7 +369,7 @@ class Decoder:
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], limits: list[int], k: int) -> list[list[int]]:
         return check_prompts(prompts, limits, self.vocab_size, self.max_batch, self.max_len, k,
-                             self._shape.cache_slots)
+                             round_shape(self.drafter, k).cache_slots)
 
     def _prefill(self, prompts: list[list[int]], limits: list[int], eos: list[int], params: Params | None) -> Run:
         """The prompts, right-padded into max_batch rows, through the compiled prefill; emits each
@@ -361,8 +391,8 @@ class Decoder:
         count = (limit > 0).long()
         state = State(last=first, pos=lengths, out=out, count=count, limit=limit, eos=eos_t,
                       done=(count >= limit) | (first == eos_t),
-                      stats=torch.zeros(self._k + 1, dtype=torch.long, device=device))
-        return Run(state, carry, params)
+                      stats=torch.zeros(depth(self._k) + 1, dtype=torch.long, device=device))
+        return Run(state, carry, params, self._k)
 
     def _timed_round(self, timer: PhaseTimer) -> Callable[[State, Carry, Params | None], tuple[State, Carry, Tensor]]:
         """The round with its steps apart, a timer mark after each step and before the round."""
@@ -377,7 +407,7 @@ class Decoder:
     def _replay(self, run_round: Callable, run: Run) -> Iterator[tuple[State, Carry, Tensor]]:
         """Rounds from `run`, one per step of the iteration: (state, carry, all done). Rounds 3 on
         run without guard evaluation (`runtime.skip_guards`), which ends with the iteration."""
-        state, carry, params = run
+        state, carry, params, _ = run
         with contextlib.ExitStack() as unguarded:
             for number in itertools.count(1):
                 state, carry, finished = run_round(state, carry, params)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from specpass.loop import steps
 from specpass.loop.protocols import ParallelDrafter, Target
-from specpass.loop.steps import Carry, Proposal, Steps
+from specpass.loop.steps import Carry, Proposal, Steps, is_int
 from specpass.sampling import Params
 
 
@@ -65,7 +65,10 @@ class ParallelRound:
         slots, the draft forward 2K (K+1 catch-up rows, K-1 mask slots)."""
         return prompt_len + max_new_tokens + 3 * k
 
-    def bind(self, target: Target, drafter: ParallelDrafter, k: int, sampled: bool) -> Steps:
+    def takes(self, k: object) -> bool:
+        return is_int(k) and k >= 1
+
+    def bind(self, target: Target, drafter: ParallelDrafter, k: int, sampled: bool, slots: int) -> Steps:
         return Steps(draft=steps.carried,
                      verify=functools.partial(steps.verify, target, drafter.hidden_kind, drafter.to_target),
                      accept=steps.accept,

@@ -1,5 +1,6 @@
-"""Plain decoding, no drafter: the target's own decoding with the same code (K = 0: the verify of
-an empty draft block is one decode step). The tokens/s baseline and the lossless reference."""
+"""Plain decoding: the target's own decoding with the same code (K = 0: the verify of an empty
+draft block is one decode step), with no drafter or with one switched off (K 0, chosen under load).
+The tokens/s baseline and the lossless reference."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ class PlainRound:
         """The chain's count at K = 0: a step verifies one token and drafts none."""
         return prompt_len + max_new_tokens + 1
 
-    def bind(self, target: Target, drafter: None, k: int, sampled: bool) -> Steps:
+    def takes(self, k: object) -> bool:
+        return k == 0
+
+    def bind(self, target: Target, drafter: None, k: int, sampled: bool, slots: int) -> Steps:
         return Steps(draft=None, verify=functools.partial(steps.verify, target, None, None), accept=steps.accept,
                      catch_up=None)
 

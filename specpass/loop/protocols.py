@@ -1,4 +1,5 @@
-"""What the loop asks of its models: `Target`, `Drafter`, `ParallelDrafter`.
+"""What the loop asks of its models: `Target`, `Drafter`, `ParallelDrafter`, and for tree rounds
+`TreeTarget`, `TreeDrafter`.
 
 specpass does not import the model zoo: a target and a drafter are anything with these members
 (the zoo's adapters are in models/drafters.py, transformers' in specpass/hf/adapters.py). The
@@ -65,6 +66,33 @@ class ParallelDrafter(Drafter, Protocol):
         """[B, T] tokens and contiguous positions, [B, T, Hh] hidden, [B] live row -> logits [B, k, Vd]:
         row j predicts the token at positions[b, live[b]] + 1 + j. Rows after live[b] are the
         drafter's own (mask slots, padding); every row's K/V is written."""
+
+
+@runtime_checkable
+class TreeTarget(Target, Protocol):
+    """A target that verifies a draft tree: rows written to cache slots apart from their RoPE
+    positions (siblings share a position), under the loop's own mask, and cache slots copied (the
+    accepted path moved to the positions later rounds read)."""
+
+    def forward_tree(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor,
+                     kind: str | None) -> tuple[Tensor, Tensor | None]:
+        """tokens, positions (RoPE), slots (where each row's K/V is written) [B, T], mask [B, 1, T, S]
+        bool (row t sees slot s) -> (logits [B, T, V], the hidden states of `kind` [B, T, Hh] or None)."""
+
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:
+        """Every cache: slot dst[b, t] takes what slot src[b, t] holds ([B, T]; all read before any write)."""
+
+
+@runtime_checkable
+class TreeDrafter(Drafter, Protocol):
+    """A drafter that drafts a tree: its step runs on any rows, each at its own slot, under the
+    loop's mask (specpass/loop/tree.py)."""
+
+    def draft_tree_step(self, tokens: Tensor, positions: Tensor, slots: Tensor, hidden: Tensor,
+                        mask: Tensor) -> tuple[Tensor, Tensor]:
+        """tokens, positions, slots [B, T] (positions and slots as the loop numbers them: a token's
+        position), hidden [B, T, Hd] (each row's parent's hidden output), mask [B, 1, T, S] over the
+        slots so numbered -> (logits [B, T, Vd], hidden [B, T, Hd])."""
 
 
 @functools.cache

@@ -1,11 +1,13 @@
 """Round shapes: how a round is made of the shared steps (steps.py) for one kind of drafter, and
 which one a drafter gets. One module per shape, each exposing one `RoundShape` object:
 
-    plain.py     PLAIN     no drafter: the target's own decoding
-    chain.py     CHAIN     a `Drafter`: K-1 draft steps, then a catch-up
-    parallel.py  PARALLEL  a `ParallelDrafter`: one draft forward makes the next round's K drafts
+    plain.py     PLAIN     K 0 (or no drafter): the target's own decoding
+    chain.py     CHAIN     K >= 1, a `Drafter`: K-1 draft steps, then a catch-up
+    parallel.py  PARALLEL  K >= 1, a `ParallelDrafter`: one draft forward makes the next round's K drafts
+    tree.py      TREE      a `TreeShape`, a `TreeDrafter` (and a `TreeTarget`): a drafted tree verified whole
 
-A new shape (a tree round) is a module with its object and its drafter Protocol, listed in SHAPES.
+A shape is chosen by the K it `takes` and the drafter Protocol it needs, so one drafter may run
+several (`Decoder.use_k` switches). A new shape is a module with its object, listed in SHAPES.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from specpass.loop.parallel import PARALLEL
 from specpass.loop.plain import PLAIN
 from specpass.loop.protocols import Drafter, Target, missing, require
 from specpass.loop.steps import Carry, Steps
+from specpass.loop.tree import TREE, TreeShape
 
 
 class RoundShape(Protocol):
@@ -26,13 +29,17 @@ class RoundShape(Protocol):
     drafter_protocol: type | None  # the Protocol a drafter satisfies to get this shape; None: no drafter
     prefill_reads_k: bool  # False: every K shares one compiled prefill
 
+    def takes(self, k: object) -> bool:
+        """Whether this shape runs at `k` (an int K, a `TreeShape`)."""
+
     def cache_slots(self, prompt_len: int, max_new_tokens: int, k: int) -> int:
         """The cache slots (`Decoder`'s max_len) a request needs at K, counting what a round writes
         past the position a finished request stays at."""
 
-    def bind(self, target: Target, drafter: Any, k: int, sampled: bool) -> Steps:
-        """The round's steps (draft, verify, accept, catch_up) with the models and K bound; sampled:
-        drafts are drawn from the drafter's distribution when a request samples (else its arg-max)."""
+    def bind(self, target: Target, drafter: Any, k: int, sampled: bool, slots: int) -> Steps:
+        """The round's steps (draft, verify, accept, catch_up) with the models, K and the caches'
+        slots bound; sampled: drafts are drawn from the drafter's distribution when a request
+        samples (else its arg-max)."""
 
     def prefill_catch_up(self, drafter: Any, k: int, sampled: bool) -> Callable[..., Carry] | None:
         """The drafter's half of the prefill, bound: (tokens, positions [B, T], hidden [B, T, Hh] or
@@ -40,19 +47,23 @@ class RoundShape(Protocol):
         None: no drafter."""
 
 
-SHAPES: tuple[RoundShape, ...] = (PARALLEL, CHAIN)  # the drafter shapes, the narrowest Protocol first, Drafter last
+SHAPES: tuple[RoundShape, ...] = (TREE, PARALLEL, CHAIN)  # the drafter shapes, the narrowest Protocol first
 
 
-def round_shape(drafter: Any) -> RoundShape:
-    """The shape of the rounds `drafter` drafts for, from the Protocol it satisfies (None: plain
-    decoding). Anything else is refused, with the members of `Drafter` it lacks."""
-    if drafter is None:
+def round_shape(drafter: Any, k: object = 1) -> RoundShape:
+    """The shape of the rounds `drafter` drafts at `k`: PLAIN at K 0 or without a drafter, TREE at a
+    `TreeShape`, else the narrowest Protocol the drafter satisfies. A drafter that lacks members of
+    `Drafter` (of `TreeDrafter` at a TreeShape) is refused, naming them."""
+    if drafter is None or PLAIN.takes(k):
         return PLAIN
     require(drafter, "drafter", Drafter)  # every drafter shape's Protocol extends Drafter
-    return next(shape for shape in SHAPES if not missing(drafter, shape.drafter_protocol))
+    if TREE.takes(k):
+        require(drafter, "drafter of tree rounds", TREE.drafter_protocol)
+    return next(shape for shape in SHAPES if shape.takes(k) and not missing(drafter, shape.drafter_protocol))
 
 
-def cache_slots(prompt_len: int, max_new_tokens: int, k: int) -> int:
-    """The cache slots (`Decoder`'s max_len) a request needs at K whatever its drafter: the most
-    any round shape needs (`round_shape(drafter).cache_slots` for one drafter's)."""
-    return max(shape.cache_slots(prompt_len, max_new_tokens, k) for shape in (PLAIN, *SHAPES))
+def cache_slots(prompt_len: int, max_new_tokens: int, k: int | TreeShape) -> int:
+    """The cache slots (`Decoder`'s max_len) a request needs at K (or a `TreeShape`) whatever its
+    drafter: the most any round shape running at it needs."""
+    return max(shape.cache_slots(prompt_len, max_new_tokens, k)
+               for shape in (PLAIN, *SHAPES) if shape.takes(k) or shape is PLAIN)

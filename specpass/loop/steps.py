@@ -18,6 +18,7 @@ tokens, then the shape's drafter half.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -68,6 +69,11 @@ class Steps(NamedTuple):
     verify: Callable[..., tuple[Tensor, Tensor, Tensor | None]]  # (last, pos, d, q, params) -> y, a, hidden
     accept: Callable[[State, Tensor, Tensor], tuple[State, Tensor]]  # (state, y, a) -> state, done
     catch_up: Callable[..., tuple[Tensor, Proposal | None, Tensor]] | None  # (y, pos, hidden, a, params) -> d1, q1, h
+
+
+def is_int(value: object) -> bool:
+    """An int (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def greedy(drafter: Drafter, logits: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ and v through their strides (the cache's [B, hk, S, d] as [B, S, hk, d]).
 
 When, proven from the fake tensors: CUDA; q, k, v of rank 4, bf16 or fp16; head sizes powers of
 two from 16 to 256; g = hq / hk > 1 (enable_gqa set, by the model or by the gqa pass, which runs
-first); T static, 1 < T and T * g <= 64; a bool mask that is [B, 1, T, S] or broadcasts to it
+first); T static, 1 < T and T * g <= 256 (in programs of 64 rows); a bool mask that is [B, 1, T, S] or broadcasts to it
 (expanded, a view); no dropout, no is_causal. Otherwise SDPA stays, with the reason:
 - one token per request (a decode or draft step, or a catch-up after the live-row Q-slice): the
   call transformers makes, kept as the zoo keeps it; the kernel's gain is reading the cache once
