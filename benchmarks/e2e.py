@@ -153,7 +153,7 @@ class Bench:
             decoders[variant] = decoder = self.decoders[variant, len(prompts), max_len]
             if k == TUNED:  # the loop's own choice, timed on these prompts (the GPU its own while it times)
                 with harness.exclusive(self.args.gpu_lock):
-                    choice = decoder.tune_k(prompts, self.args.tune_ks, trees=self.args.trees,
+                    choice = decoder.tune_k(prompts, self.args.tune_ks, off=True, trees=self.args.trees,
                                             new_tokens=self.args.tune_tokens)
                 print(f"    tune_k chose {choice.k}: tokens/ms {({str(c): round(v, 3) for c, v in choice.tokens_per_ms.items()})}",
                       file=sys.stderr)

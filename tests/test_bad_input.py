@@ -111,10 +111,11 @@ def decoder(target, drafter=None, **kw):
     return Decoder(target, drafter, **{"k": 4, "max_batch": 2, "max_len": 64, "compile": "eager", **kw})
 
 
-@pytest.mark.parametrize("k", [0, -1, 2.0])
-def test_k_must_be_a_positive_int(target, k):
-    with pytest.raises(ValueError, match=rf"k \(draft tokens per round\) must be an int >= 1, got {k}; "
-                                         "for plain decoding pass drafter=None"):
+@pytest.mark.parametrize("k", [-1, 2.0, (4, 5, 16)])
+def test_k_must_be_an_int_or_a_tree_shape(target, k):
+    with pytest.raises(ValueError, match=rf"k must be an int >= 0 \(draft tokens per round; 0: the drafter off, plain "
+                                         rf"decoding\) or a specpass.TreeShape\(topk, steps, tokens\) \(tree rounds\), "
+                                         rf"got {re.escape(repr(k))}"):
         decoder(target, zoo_drafter("tiny-llama-draft"), k=k)
 
 

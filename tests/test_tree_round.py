@@ -120,7 +120,7 @@ def test_tune_k_chooses_plain_chain_or_tree_by_tokens_per_ms(target, monkeypatch
         return costs[self.k], per_depth.get(self.k, [])
 
     monkeypatch.setattr(Decoder, "round_ms", round_ms)
-    tune = lambda: dec.tune_k(PROMPTS, (2, 4), acceptance=[0.5] * 4, trees=[tree])  # noqa: E731
+    tune = lambda: dec.tune_k(PROMPTS, (2, 4), acceptance=[0.5] * 4, off=True, trees=[tree])  # noqa: E731
     for plain_ms, tree_ms, want in ((1.0, 1.3, tree),  # 2.6 tokens/ms against the chain's 2.14
                                     (0.3, 1.3, 0),  # plain decoding: 3.3 tokens/ms
                                     (1.0, 3.0, 4)):  # the chain's K 4

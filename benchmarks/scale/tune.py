@@ -32,7 +32,7 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save, lat
               file=sys.stderr, flush=True)
 
     tune = functools.partial(dec.tune_k, prompts, args.tune_ks, on_timed=timed, acceptance=acceptance,
-                             new_tokens=args.new_tokens, max_timings=args.tune_max_timings, off=False, trees=())
+                             new_tokens=args.new_tokens, max_timings=args.tune_max_timings)
     if args.gpu_lock:  # compiles every K (kept), so that the tuning below only times
         tune(repeats=1)
     with harness.exclusive(args.gpu_lock):

@@ -20,7 +20,7 @@ from specpass.loop.protocols import Drafter, ParallelDrafter, Target, TreeDrafte
 from specpass.loop.runtime import COMPILERS
 from specpass.loop.shapes import RoundShape, cache_slots, round_shape
 from specpass.loop.steps import Carry, Proposal, State, Steps
-from specpass.loop.tree import TreeShape
+from specpass.loop.tree import TREES, TreeShape
 
 __all__ = [
     "COMPILERS",
@@ -33,6 +33,7 @@ __all__ = [
     "ParallelDrafter",
     "Proposal",
     "RoundShape",
+    "TREES",
     "Run",
     "State",
     "Steps",

@@ -31,11 +31,11 @@ from specpass.loop import runtime
 from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts, check_timing,
                                   check_tuning, device_of, is_int, probe)
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, price
-from specpass.loop.protocols import Drafter, Target, TreeDrafter, TreeTarget
+from specpass.loop.protocols import Drafter, Target
 from specpass.loop.runtime import DoneFlags, PhaseTimer, clock, compiler, replayed
 from specpass.loop.shapes import PLAIN, RoundShape, round_shape
 from specpass.loop.steps import Carry, State, Steps, carried, decode_round, prefill_step
-from specpass.loop.tree import TREES, TreeShape, depth
+from specpass.loop.tree import TreeShape, depth
 from specpass.sampling import Params, per_request
 
 
@@ -282,7 +282,7 @@ class Decoder:
 
     def tune_k(self, prompts: Sequence[Sequence[int]], ks: Sequence[int] = (2, 6), *,
                acceptance: Sequence[float] | None = None, new_tokens: tuple[int, int] = (8, 40),
-               repeats: int = 3, max_timings: int = 4, off: bool = True, trees: Sequence[TreeShape] | None = None,
+               repeats: int = 3, max_timings: int = 4, off: bool = False, trees: Sequence[TreeShape] = (),
                on_timed: Callable[[Any, float], None] | None = None) -> KChoice:
         """Choose the round for this batch size from measured costs: plain decoding (K 0), the
         chain's best K, or a tree shape; then decode with it.
@@ -299,16 +299,14 @@ class Decoder:
         neighbours.
 
         Then, against that K's tokens per ms: plain decoding (off=True), timed (a round emits one
-        token), and each shape of `trees` (None: `TREES` when the drafter and the target draft trees,
-        else none), timed with its accepted length measured on `prompts` (a tree's acceptance is its
-        own: no chain run gives it). The most tokens per ms wins. on_timed(k, ms) is called after each
-        K or shape is timed.
+        token), and each shape of `trees` (e.g. `specpass.loop.TREES`), timed with its accepted length
+        measured on `prompts` (a tree's acceptance is its own: no chain run gives it; measure it on
+        long enough generates, `new_tokens`). The most tokens per ms wins. on_timed(k, ms) is called
+        after each K or shape is timed.
         """
         if self.drafter is None:
             raise ValueError("plain decoding (drafter=None) drafts nothing: there is no K to tune")
         timed = check_tuning(ks, acceptance, new_tokens, repeats, max_timings)
-        if trees is None:
-            trees = TREES if self._drafts_trees() else ()
         for tree in trees:
             check_k(self.drafter, tree)
             if not isinstance(tree, TreeShape):
@@ -353,9 +351,6 @@ class Decoder:
                        {k: v for k, v in per_depth.items() if k != 0})
 
     # --- the loop's parts
-
-    def _drafts_trees(self) -> bool:
-        return isinstance(self.drafter, TreeDrafter) and isinstance(self.target, TreeTarget)
 
     def _request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  eos_id: int | Sequence[int] | None, temperature: Any, top_k: Any, top_p: Any,

@@ -59,7 +59,7 @@ class TreeShape:
         return f"tree {self.topk},{self.steps},{self.tokens}"
 
 
-TREES = (TreeShape(4, 5, 16), TreeShape(4, 7, 32))  # what `Decoder.tune_k` tries by default (docs/loop.md)
+TREES = (TreeShape(4, 5, 16), TreeShape(4, 7, 32))  # a small set for `Decoder.tune_k(trees=...)` (docs/loop.md)
 
 
 def depth(k: int | TreeShape) -> int:
