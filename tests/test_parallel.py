@@ -205,7 +205,7 @@ def test_a_finished_request_s_draft_forward_fits_the_cache(target):
     frozen while another decodes: its draft forward writes 2K slots past its position, K-1 more
     than a chain round. The cache `cache_slots` sizes holds them, and Decoder refuses one slot less."""
     k, prompts, limits = 4, [PROMPTS[1], PROMPTS[0]], [12, 17]  # 9 + 12: 1, 6, 11, then 1 of 5 emitted
-    max_len = max(cache_slots(len(p), n, k) for p, n in zip(prompts, limits))
+    max_len = max(parallel.PARALLEL.cache_slots(len(p), n, k) for p, n in zip(prompts, limits))  # the shape's own count
     assert max_len == 9 + 12 + 3 * k > 3 + 17 + 3 * k  # the request that finishes first needs the most
     want = Decoder(target, None, max_batch=2, max_len=max_len, compile="eager").generate(prompts, limits)
     out = Decoder(target, ExactParallelCopy(target), k=k, max_batch=2, max_len=max_len,

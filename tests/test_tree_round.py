@@ -105,7 +105,8 @@ def test_tree_shapes_and_drafters_are_checked(target):
     with pytest.raises(TypeError, match=r"drafter of tree rounds .* lacks \['draft_tree_step'\]"):
         Decoder(target, ChainOnly(eagle), k=SHAPE, max_batch=3, max_len=MAX_LEN, compile="eager")
     with pytest.raises(ValueError, match=r"needs \d+ cache slots"):
-        Decoder(target, eagle, k=SHAPE, max_batch=3, max_len=MAX_LEN - 1, compile="eager").generate(PROMPTS, NEW)
+        Decoder(target, eagle, k=SHAPE, max_batch=3, max_len=TREE.cache_slots(9, NEW, SHAPE) - 1,
+                compile="eager").generate(PROMPTS, NEW)
 
 
 def test_tune_k_chooses_plain_chain_or_tree_by_tokens_per_ms(target, monkeypatch):

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from specpass.compile_backend import backend as specpass_backend
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
 from specpass.loop import Decoder, Metrics, TreeShape, round_shape
+from specpass.loop.shapes import aligned
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
 
@@ -112,7 +113,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
       fused_round: default CUDA graphs ("reduce-overhead") and the fused round on a GPU.
     cache_len: the static cache length (default: the longest prompt + max_new_tokens + 2K + 1, 3K for
       a parallel drafter, steps - 1 + max(tokens, steps + 2 + (steps - 1) * topk) for a tree: the
-      round shape's `cache_slots`);
+      round shape's `cache_slots`, rounded up to a multiple of 16);
       a fixed one lets calls with other prompt lengths reuse the compiled steps.
     decoder_cache: where the compiled Decoders are kept for the next call (default `generate.cache`,
       which keeps 4; a `DecoderCache` of your own, or `DecoderCache(keep=0)` to keep none).
@@ -138,10 +139,11 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     if cache_len is not None and cache_len < need:
         raise ValueError(f"cache_len {cache_len} is shorter than the {need} slots the longest prompt + max_new_tokens "
                          f"need at K {k} (`cache_slots`): raise it to {need} or more")
+    slots = cache_len or aligned(need)
     if isinstance(k, TreeShape):
-        check_tree(model, "model", k.steps, cache_len or need)
+        check_tree(model, "model", k.steps, slots)
         if standalone:
-            check_tree(assistant_model, "assistant_model", k.steps, cache_len or need)
+            check_tree(assistant_model, "assistant_model", k.steps, slots)
     cuda = model.device.type == "cuda"
     mode = mode if mode is not None else "reduce-overhead" if cuda else None
     fused_round = fused_round if fused_round is not None else cuda
@@ -149,11 +151,11 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     def build() -> tuple[Decoder, _Recorder | None]:
         backend = specpass_backend() if compile == "specpass" else compile
         recorder = _Recorder(backend) if callable(backend) else None  # "inductor", "eager": nothing to report
-        return Decoder(HFTarget(model), drafter, k=k, max_batch=len(prompts), max_len=cache_len or need,
+        return Decoder(HFTarget(model), drafter, k=k, max_batch=len(prompts), max_len=slots,
                        compile=recorder or backend, mode=mode, fused_round=fused_round), recorder
 
     cache = decoder_cache if decoder_cache is not None else generate.cache
-    key = (id(model), id(assistant_model), k, len(prompts), cache_len or need, compile, mode, fused_round)
+    key = (id(model), id(assistant_model), k, len(prompts), slots, compile, mode, fused_round)
     decoder, recorder, _ = cache._get(key, (model, assistant_model), build)
 
     out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)

@@ -64,6 +64,12 @@ def round_shape(drafter: Any, k: object = 1) -> RoundShape:
 
 def cache_slots(prompt_len: int, max_new_tokens: int, k: int | TreeShape) -> int:
     """The cache slots (`Decoder`'s max_len) a request needs at K (or a `TreeShape`) whatever its
-    drafter: the most any round shape running at it needs."""
-    return max(shape.cache_slots(prompt_len, max_new_tokens, k)
-               for shape in (PLAIN, *SHAPES) if shape.takes(k) or shape is PLAIN)
+    drafter: the most any round shape running at it needs, `aligned`."""
+    return aligned(max(shape.cache_slots(prompt_len, max_new_tokens, k)
+                       for shape in (PLAIN, *SHAPES) if shape.takes(k) or shape is PLAIN))
+
+
+def aligned(slots: int) -> int:
+    """Slots rounded up to a multiple of 16: every row of a [.., S] bool mask then starts 16-byte
+    aligned, which the split-KV kernel needs to read it in vectors (kernels/triton_attention.py)."""
+    return -(-slots // 16) * 16
