@@ -16,6 +16,9 @@ class Options:
     # A grouped-query attention of a few static tokens per request (a verify) runs as the split-KV
     # kernel (torch.ops.specpass.attend_split) instead of SDPA, on CUDA.
     split_kv: bool = True
+    # A topk over a short static row (<= 512) runs as a stable sort and a slice, on CUDA: Inductor
+    # lowers that to one Triton kernel instead of ATen's two top-k kernels.
+    topk_sort: bool = True
     # live_rows: also gather attention's query rows (exact with K/V read from the cache).
     # Off keeps the gather after attention, for kernels that need as many queries as K/V rows.
     q_slice: bool = True
@@ -47,7 +50,7 @@ class Options:
             raise TypeError(
                 f"unknown specpass option(s) {unknown}; valid options are {cls.names()}"
             )
-        for name in ("argmax", "live_rows", "gqa", "split_kv", "q_slice", "split_projections"):
+        for name in ("argmax", "live_rows", "gqa", "split_kv", "topk_sort", "q_slice", "split_projections"):
             if name in options and not isinstance(options[name], bool):
                 raise ValueError(f"specpass option {name}= must be True or False, got {options[name]!r}")
         if "split_min_rows" in options and (not isinstance(options["split_min_rows"], int)

@@ -25,7 +25,7 @@ from specpass.capture import capture
 from specpass.graph import (SCALAR_READS, is_impure, is_mutation, make_local_writes_functional, same_shape, storage,
                             written_storages)
 from specpass.options import Options
-from specpass.passes import argmax, gqa, live_rows, split_kv
+from specpass.passes import argmax, gqa, live_rows, split_kv, topk_sort
 from specpass.report import Finding, Report, graph_matmul_flops
 
 Pass = Callable[[fx.GraphModule, Options], list[Finding]]
@@ -36,6 +36,7 @@ PASSES: list[tuple[str, Pass]] = [
     ("live_rows", live_rows.run),
     ("gqa", gqa.run),  # after live_rows: its Q-slice reads attention head by head (gqa.py)
     ("split_kv", split_kv.run),  # after both: the rows live_rows left, the enable_gqa call gqa wrote
+    ("topk_sort", topk_sort.run),  # after argmax: the exact top-k it emits
 ]
 
 
