@@ -5,8 +5,8 @@
     python -m benchmarks.e2e --plot docs/e2e.json                # docs/e2e.png and the table (CPU, no GPU)
     python -m benchmarks.e2e --device cpu --quick                # a smoke test of the script
     python -m benchmarks.e2e --sampling 0,0.6,1.0,0.6:0.95 --out docs/e2e_sampling.json   # sampled
-    python -m benchmarks.e2e --bs 1 --variants eagle3/specpass-fused --k-sweep 5,6,7,8 \
-        --trees "2,4,8;4,5,16;8,5,32;4,7,32" --tuned --no-check --out docs/e2e_tree.json     # tree rounds
+    python -m benchmarks.e2e --bs 1 --batches 8 --variants eagle3/specpass-fused --k 8 --k-sweep 4,6 \
+        --trees "4,7,32;8,5,32" --tuned --tune-tokens 32,256 --no-check --out docs/e2e_tree.json   # tree rounds
 
 Variants, all greedy, on the held-out prompts (checkpoints/prompts.json), no EOS, the same number
 of new tokens per request:
@@ -24,7 +24,8 @@ K = 4 for every loop, and each K of --k-sweep for eagle3/specpass-fused and para
 (or the --swept ones; the best K per batch size); each tree shape of --trees (TOPK,STEPS,TOKENS;...)
 for the swept EAGLE-3 variant; with --tuned, the loop's own choice (`Decoder.tune_k` among plain
 decoding, chain K and the --trees shapes, timed on the batch's prompts before the timed runs; its
-"compile s" includes the tuning). "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
+"compile s" includes the tuning). With --batches N each timed pass generates N batches of bs
+prompts in turn (the next held-out prompts each) and pools them. "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
 in every variant, HF's too) included; "decode tokens/s" counts the rounds alone (our loops).
 Every compiled variant uses CUDA graphs (mode="reduce-overhead"). Processes started side by side
 with one --gpu-lock file compile at once and take turns to time (and to tune). A variant's first generate
@@ -120,15 +121,19 @@ class Bench:
         self.decoders = {}  # (variant, batch, cache length) -> Decoder: other samplings reuse its models
         harness.dynamo_limits(1024)  # every variant compiles the same step functions again, for its own models
 
-    def batch(self, bs: int) -> list[list[int]]:
+    def batches(self, bs: int) -> list[list[list[int]]]:
+        """--batches batches of bs consecutive held-out prompts (cycled)."""
         from models.text import encode
 
-        return [encode(t) for t in itertools.islice(itertools.cycle(self.prompts), bs)]
+        texts = itertools.cycle(self.prompts)
+        return [[encode(t) for t in itertools.islice(texts, bs)] for _ in range(self.args.batches)]
 
-    def run_loops(self, prompts, variants: list[tuple], sampling: dict | None = None) -> dict[tuple, dict]:
+    def run_loops(self, batches, variants: list[tuple], sampling: dict | None = None) -> dict[tuple, dict]:
         """Build and warm up every (name, drafter, compile, fused, K[, greedy drafts]) variant, then
         time them interleaved, `repeats` passes over all of them, so that drift of the host's speed
-        during the run (15-25% on these host-bound loops) falls on every variant alike. `sampling`:
+        during the run (15-25% on these host-bound loops) falls on every variant alike. A pass
+        generates every batch of `batches` in turn (`pooled`); the first batch alone is what
+        tune_k, the step timings and the profile run on. `sampling`:
         generate's temperature / top_p / seed; a variant built by an earlier call for the same batch
         is reused (its compiled graphs too), so "compile s" is then the new graph's alone."""
         import copy
@@ -137,8 +142,10 @@ class Bench:
 
         new = self.args.new_tokens
         ks = [k for v in variants for k in ([*range(1, 9), *self.args.trees] if v[4] == TUNED else [v[4]])]
-        longest = max(new, *(self.args.tune_tokens if any(v[4] == TUNED for v in variants) else ()))
-        max_len = max(cache_slots(max(map(len, prompts)), longest, k) for k in ks)  # every drafter, K and tuning
+        longest = max((new, *(self.args.tune_tokens if any(v[4] == TUNED for v in variants) else ())))
+        prompts = batches[0]
+        longest_prompt = max(len(p) for batch in batches for p in batch)
+        max_len = max(cache_slots(longest_prompt, longest, k) for k in ks)  # every drafter, K and tuning
         sampling = sampling or {}
         decoders, results = {}, {}
         for variant in variants:
@@ -158,7 +165,8 @@ class Bench:
                 print(f"    tune_k chose {choice.k}: tokens/ms {({str(c): round(v, 3) for c, v in choice.tokens_per_ms.items()})}",
                       file=sys.stderr)
             first = decoder.generate(prompts, new, **sampling)  # compiles, records the CUDA graphs
-            results[variant] = dict(tokens=first.tokens, runs=[], compile_s=time.perf_counter() - start,
+            tokens = first.tokens + [t for batch in batches[1:] for t in decoder.generate(batch, new, **sampling).tokens]
+            results[variant] = dict(tokens=tokens, runs=[], compile_s=time.perf_counter() - start,
                                     k=label(decoder.k))
             print(f"    compiled {variant[0]} K={label(decoder.k)} in {results[variant]['compile_s']:.0f} s",
                   file=sys.stderr)
@@ -167,7 +175,8 @@ class Bench:
                 order = list(decoders)
                 order = order[i % len(order):] + order[: i % len(order)]
                 for variant in order:
-                    results[variant]["runs"].append(decoders[variant].generate(prompts, new, **sampling).metrics)
+                    results[variant]["runs"].append(pooled([decoders[variant].generate(batch, new, **sampling).metrics
+                                                            for batch in batches]))
         for variant, decoder in decoders.items():
             runs, r = results[variant].pop("runs"), results[variant]
             timed = (decoder.generate(prompts, new, timing=True, **sampling).metrics
@@ -175,7 +184,8 @@ class Bench:
             r.update(tokens_per_s=statistics.median(m.tokens_per_s for m in runs),
                      pass_tokens_per_s=[m.tokens_per_s for m in runs],  # pass i of every variant ran side by side
                      # the rounds alone: tokens after each request's first (prefill's) over the loop's time
-                     decode_tokens_per_s=statistics.median((m.new_tokens - len(prompts)) / (m.seconds - m.prefill_seconds)
+                     decode_tokens_per_s=statistics.median((m.new_tokens - len(prompts) * len(batches))
+                                                           / (m.seconds - m.prefill_seconds)
                                                            for m in runs),
                      prefill_ms=statistics.median(1e3 * m.prefill_seconds for m in runs),
                      accept_length=runs[0].accept_length, acceptance=runs[0].acceptance,
@@ -216,6 +226,20 @@ class Bench:
         seconds = statistics.median(s for _, s in runs)
         return dict(tokens=runs[0][0], tokens_per_s=len(prompts) * self.args.new_tokens / seconds, pass_tokens_per_s=None,
                     decode_tokens_per_s=None, prefill_ms=None, accept_length=None, acceptance=None, round_ms=None, phase_ms=None, compile_s=compile_s)
+
+
+def pooled(runs: list):
+    """One Metrics for several generates run in turn: tokens and seconds summed, the per-round
+    figures weighted by each run's rounds."""
+    from specpass.loop import Metrics
+
+    rounds = sum(m.rounds for m in runs)
+    mean = lambda values: sum(v * m.rounds for v, m in zip(values, runs)) / rounds  # noqa: E731
+    return Metrics(new_tokens=sum(m.new_tokens for m in runs), rounds=rounds, seconds=sum(m.seconds for m in runs),
+                   prefill_seconds=sum(m.prefill_seconds for m in runs),
+                   accept_length=mean([m.accept_length for m in runs]),
+                   acceptance=[mean(column) for column in zip(*(m.acceptance for m in runs))],
+                   phase_ms={"round": mean([m.phase_ms["round"] for m in runs])})
 
 
 def kernels_per_round(decoder, prompts, new: int, sampling: dict) -> dict:
@@ -263,15 +287,15 @@ def sweep(args, save) -> list[dict]:
                           if f"{drafter}/{loop}" in args.swept]
                 loops += [(f"{drafter}/{loop}/tuned", drafter, compile, fused, TUNED)] * args.tuned
     for bs in args.bs:
-        prompts = bench.batch(bs)
-        results = bench.run_loops(prompts, loops)
+        batches = bench.batches(bs)
+        results = bench.run_loops(batches, loops)
         reference = results[loops[0]]["tokens"]
         for variant, result in results.items():
             record(variant[0], bs, result.pop("k"), result, reference)
         if "hf-static" in args.variants:
-            record("hf-static", bs, 0, bench.run_hf(prompts, assistant=False), reference)
+            record("hf-static", bs, 0, bench.run_hf(batches[0], assistant=False), reference[:bs])
         if "hf-assisted" in args.variants and bs == 1:
-            record("hf-assisted", bs, 0, bench.run_hf(prompts, assistant=True), reference)
+            record("hf-assisted", bs, 0, bench.run_hf(batches[0], assistant=True), reference[:bs])
         bench.decoders.clear()
         torch.compiler.reset()  # frees the compiled graphs of this batch size
     return rows
@@ -291,13 +315,13 @@ def sweep_sampling(args, save) -> list[dict]:
     loops += [("eagle3/specpass-fused", "eagle3", "specpass", True, tree, False) for tree in args.trees]
     rows = []
     for bs in args.bs:
-        prompts = bench.batch(bs)
+        batches = bench.batches(bs)
         greedy_round = {}
         for temperature, top_p in [(0.0, None)] + [t for t in args.sampling if t != (0.0, None)]:
             sampling = dict(temperature=temperature, top_p=top_p, seed=0)
             # greedy drafts change nothing at temperature 0: their greedy round is the sampled drafts' one
             variants = [v for v in loops if not (v[5] and temperature == 0)]
-            for (variant, _, _, _, k, _), r in bench.run_loops(prompts, variants, sampling).items():
+            for (variant, _, _, _, k, _), r in bench.run_loops(batches, variants, sampling).items():
                 k = label(k)
                 if temperature == 0:
                     greedy_round[variant, k] = greedy_round[f"{variant}-greedy-drafts", k] = r["round_ms"]
@@ -450,6 +474,9 @@ def main() -> None:
                         help="a file: processes started side by side with it compile at once and take turns to time")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=1,
+                        help="time this many batches of bs prompts (the next held-out prompts each), generated in turn: "
+                             "at bs 1 one prompt's accepted length is where its trajectory goes")
     parser.add_argument("--check-bs", type=int, default=8, help="batch size of the fp32 exactness check")
     parser.add_argument("--no-check", action="store_true", help="skip the fp32 exactness check")
     parser.add_argument("--quick", action="store_true", help="a smoke test: few tokens, one batch size, K 2")
