@@ -51,9 +51,15 @@ def adopt_dynamo_inputs(dynamo_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> N
     CUDA graphs (mode="reduce-overhead") accept their in-place writes instead of skipping."""
     dynamo_inputs = list(dynamo_gm.graph.find_nodes(op="placeholder"))
     aten_inputs = list(aten_gm.graph.find_nodes(op="placeholder"))
-    if len(dynamo_inputs) != len(aten_inputs) or any(True for _ in aten_gm.named_buffers()) \
+    constants = [name for name, _ in aten_gm.named_buffers()]
+    if len(dynamo_inputs) != len(aten_inputs) or any("." in name for name in constants) \
             or any(True for _ in aten_gm.named_parameters()):
         return  # not 1:1: compile without it (CUDA graphs may then skip mutated inputs)
+    # make_fx's lifted constants (the -1 of `x[:, 0] = -1`) become plain attributes: AOTAutograd
+    # keeps those as constants, but lifts buffers into inputs ahead of Dynamo's, and the static
+    # input indices it reads from Dynamo's metadata would then name the wrong inputs.
+    for name in constants:
+        object.__setattr__(aten_gm, name, aten_gm._buffers.pop(name))
     aten_gm.meta.update(dynamo_gm.meta)
     if hasattr(dynamo_gm, "_param_name_to_source"):
         aten_gm._param_name_to_source = dynamo_gm._param_name_to_source

@@ -131,3 +131,42 @@ class TestHuggingFaceCapture(expecttest.TestCase):
         self.assertEqual(targets.count(aten.scaled_dot_product_attention.default), 2)
         self.assertIn(aten.linear.default, targets)
         self.assertEqual(gm.graph.output_node().args[0][0].target, aten.select.int)
+
+
+def test_a_lifted_constant_keeps_dynamo_s_inputs():
+    """A scalar written in place (`y[:, 0] = -1`) is a tensor constant in the IR, which make_fx
+    registers as a buffer. AOTAutograd would lift it into an input ahead of Dynamo's, and the
+    static-input indices it reads from Dynamo's metadata (parameters, KV caches: what lets CUDA
+    graphs accept in-place writes) would name the wrong inputs. The backend keeps the constant a
+    plain attribute and every placeholder its Dynamo source; the compiled function is exact."""
+    from specpass.capture import adopt_dynamo_inputs, to_aten_ir
+
+    cache = torch.zeros(2, 4)
+    adopted = []
+
+    def spy(gm, example_inputs):
+        aten_gm = to_aten_ir(gm, example_inputs)
+        assert [name for name, _ in aten_gm.named_buffers()] == ["_tensor_constant0"]  # the -1
+        adopt_dynamo_inputs(gm, aten_gm)
+        adopted.append(aten_gm)
+        return aten_gm.forward
+
+    def step(x):
+        y = x * 2
+        y[:, 0] = -1
+        cache.copy_(y)
+        return y.sum()
+
+    x = torch.randn(2, 4)
+    out = torch.compile(step, backend=spy, fullgraph=True)(x)
+    (gm,) = adopted
+    assert dict(gm.named_buffers()) == {} and isinstance(gm._tensor_constant0, torch.Tensor)
+    sources = [getattr(n, "_dynamo_source", None) for n in gm.graph.find_nodes(op="placeholder")]
+    assert len(sources) == 2 and all(s is not None for s in sources), sources  # x and the cache
+    want = x * 2
+    want[:, 0] = -1
+    assert torch.equal(cache, want) and torch.equal(out, want.sum())
+    cache.zero_()
+    torch._dynamo.reset()
+    out = torch.compile(step, backend=specpass.backend(), fullgraph=True)(x)  # through the passes and Inductor
+    assert torch.equal(cache, want) and torch.allclose(out, want.sum())

@@ -97,8 +97,6 @@ def draft_tree(root: Tensor, first: tuple[Tensor, Tensor], head: Head, state: An
     best = torch.sort(all_scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :n - 1] + 1
     keep = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), best.sort(1).values], 1)  # [B, n]
     where = torch.full_like(all_tokens, -1).scatter(1, keep, torch.arange(n, device=dev).expand(B, n))  # [B, M]
-    # (no `x[:, 0] = -1`: a scalar written in place is a tensor constant in the captured graph, which
-    # keeps specpass from giving AOTAutograd Dynamo's static inputs, and CUDA graphs then skip the round)
     node_parents = torch.where(torch.arange(n, device=dev) == 0, -1, where.gather(1, all_parents.gather(1, keep).clamp_min(0)))
     # creation order: the root, k nodes at depth 1, then k*k per depth
     made = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.ones(k, dtype=torch.long, device=dev),
