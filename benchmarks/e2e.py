@@ -23,9 +23,10 @@ of new tokens per request:
 K = 4 for every loop, and each K of --k-sweep for eagle3/specpass-fused and parallel/specpass-fused
 (or the --swept ones; the best K per batch size); each tree shape of --trees (TOPK,STEPS,TOKENS;...)
 for the swept EAGLE-3 variant; with --tuned, the loop's own choice (`Decoder.tune_k` among plain
-decoding, chain K and the --trees shapes, timed on the batch's prompts before the timed runs; its
-"compile s" includes the tuning). With --batches N each timed pass generates N batches of bs
-prompts in turn (the next held-out prompts each) and pools them. "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
+decoding, chain K and the --trees shapes, before the timed runs: rounds timed on the first batch,
+acceptance measured on every batch; its "compile s" includes the tuning). With --batches N each
+timed pass generates N batches of bs prompts in turn (the next held-out prompts each) and pools
+them. "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
 in every variant, HF's too) included; "decode tokens/s" counts the rounds alone (our loops).
 Every compiled variant uses CUDA graphs (mode="reduce-overhead"). Processes started side by side
 with one --gpu-lock file compile at once and take turns to time (and to tune). A variant's first generate
@@ -132,8 +133,8 @@ class Bench:
         """Build and warm up every (name, drafter, compile, fused, K[, greedy drafts]) variant, then
         time them interleaved, `repeats` passes over all of them, so that drift of the host's speed
         during the run (15-25% on these host-bound loops) falls on every variant alike. A pass
-        generates every batch of `batches` in turn (`pooled`); the first batch alone is what
-        tune_k, the step timings and the profile run on. `sampling`:
+        generates every batch of `batches` in turn (`pooled`); tune_k measures acceptance on all of
+        them, the rounds' ms and the profile on the first. `sampling`:
         generate's temperature / top_p / seed; a variant built by an earlier call for the same batch
         is reused (its compiled graphs too), so "compile s" is then the new graph's alone."""
         import copy
@@ -160,7 +161,7 @@ class Bench:
             decoders[variant] = decoder = self.decoders[variant, len(prompts), max_len]
             if k == TUNED:  # the loop's own choice, timed on these prompts (the GPU its own while it times)
                 with harness.exclusive(self.args.gpu_lock):
-                    choice = decoder.tune_k(prompts, self.args.tune_ks, off=True, trees=self.args.trees,
+                    choice = decoder.tune_k([p for batch in batches for p in batch], self.args.tune_ks, off=True, trees=self.args.trees,
                                             new_tokens=self.args.tune_tokens)
                 print(f"    tune_k chose {choice.k}: tokens/ms {({str(c): round(v, 3) for c, v in choice.tokens_per_ms.items()})}",
                       file=sys.stderr)
@@ -229,17 +230,18 @@ class Bench:
 
 
 def pooled(runs: list):
-    """One Metrics for several generates run in turn: tokens and seconds summed, the per-round
-    figures weighted by each run's rounds."""
+    """One Metrics for several generates run in turn: tokens and seconds summed, the acceptance
+    weighted by each run's request-rounds, the ms per round by its rounds."""
     from specpass.loop import Metrics
+    from specpass.loop.cost import pooled_acceptance
 
-    rounds = sum(m.rounds for m in runs)
-    mean = lambda values: sum(v * m.rounds for v, m in zip(values, runs)) / rounds  # noqa: E731
+    rounds, request_rounds = sum(m.rounds for m in runs), max(sum(m.request_rounds for m in runs), 1)
     return Metrics(new_tokens=sum(m.new_tokens for m in runs), rounds=rounds, seconds=sum(m.seconds for m in runs),
                    prefill_seconds=sum(m.prefill_seconds for m in runs),
-                   accept_length=mean([m.accept_length for m in runs]),
-                   acceptance=[mean(column) for column in zip(*(m.acceptance for m in runs))],
-                   phase_ms={"round": mean([m.phase_ms["round"] for m in runs])})
+                   accept_length=sum(m.accept_length * m.request_rounds for m in runs) / request_rounds,
+                   acceptance=pooled_acceptance(runs),
+                   phase_ms={"round": sum(m.phase_ms["round"] * m.rounds for m in runs) / rounds},
+                   request_rounds=request_rounds)
 
 
 def kernels_per_round(decoder, prompts, new: int, sampling: dict) -> dict:

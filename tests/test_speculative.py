@@ -509,6 +509,20 @@ def test_tune_k_measures_acceptance_at_the_largest_k(target):
     assert set(choice.tokens_per_ms) == {1, 2, 3} and choice.k == dec.k
 
 
+def test_tune_k_pools_acceptance_over_more_prompts_than_max_batch(target):
+    """At max_batch 1 tune_k takes three prompts: the rounds are timed on the first, the acceptance
+    is every prompt's run at the largest K, weighted by its request-rounds (one prompt's acceptance
+    is where its one trajectory goes)."""
+    runs = [speculate(target, "noisy-copy", 3, [p], new=8).metrics for p in PROMPTS]
+    assert len({tuple(m.acceptance) for m in runs}) > 1, "the prompts' acceptances must differ to tell them apart"
+    total = sum(m.request_rounds for m in runs)
+    want = [sum(m.acceptance[i] * m.request_rounds for m in runs) / total for i in range(3)]
+    dec = Decoder(target, drafter("noisy-copy", target), max_batch=1, max_len=MAX_LEN, compile="eager")
+    choice = dec.tune_k(PROMPTS, (1, 3), new_tokens=(2, 8), repeats=1, max_timings=0)
+    assert choice.acceptance == pytest.approx(want, abs=1e-12) and choice.acceptance != runs[0].acceptance
+    assert [m.request_rounds for m in runs] == [m.rounds for m in runs]  # one request each: every round active
+
+
 def test_tune_k_compiles_one_prefill_for_every_k(target):
     """A chain drafter's prefill does not read K: the K that tune_k times share one compiled
     prefill; compile_prefill=False compiles none (a benchmark of the rounds alone)."""

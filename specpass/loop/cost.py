@@ -22,6 +22,14 @@ class KChoice:
     tree_acceptance: dict[Any, list[float]] = dataclasses.field(default_factory=dict)  # tree -> per depth, measured
 
 
+def pooled_acceptance(runs: Sequence[Any]) -> list[float]:
+    """The acceptance per draft position over several runs (`Metrics` of generates at one K),
+    each weighted by its active request-rounds, as one run of them all would count it."""
+    total = max(sum(m.request_rounds for m in runs), 1)
+    return [sum(a * m.request_rounds for a, m in zip(column, runs)) / total
+            for column in zip(*(m.acceptance for m in runs))]
+
+
 def expected_accept_length(acceptance: Sequence[float]) -> float:
     """Tokens per round per request at K = len(acceptance): the bonus plus each accepted draft
     (acceptance[i]: the fraction of request-rounds that accept draft i+1, `Metrics.acceptance`)."""

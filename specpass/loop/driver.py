@@ -30,7 +30,7 @@ from torch import Tensor
 from specpass.loop import runtime
 from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts, check_timing,
                                   check_tuning, device_of, is_int, probe)
-from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, price
+from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, pooled_acceptance, price
 from specpass.loop.protocols import Drafter, Target
 from specpass.loop.runtime import DoneFlags, PhaseTimer, clock, compiler, replayed
 from specpass.loop.shapes import PLAIN, RoundShape, round_shape
@@ -48,6 +48,7 @@ class Metrics:
     accept_length: float  # tokens per round per active request: accepted drafts + the bonus token
     acceptance: list[float]  # per draft position 1..K: the fraction of active request-rounds accepting it
     phase_ms: dict[str, float]  # mean ms per round: "round"; with timing=True (steps apart) also each step
+    request_rounds: int = 0  # rounds summed over the requests active in them: what the two above average over
 
     @property
     def tokens_per_s(self) -> float:
@@ -221,7 +222,7 @@ class Decoder:
         metrics = Metrics(
             new_tokens=sum(count), rounds=rounds, seconds=end - start, prefill_seconds=prefill_end - start,
             accept_length=1 + sum(stats[1:]) / active, acceptance=[s / active for s in stats[1:]],
-            phase_ms={"round": 1e3 * (end - prefill_end) / rounds, **phases})
+            phase_ms={"round": 1e3 * (end - prefill_end) / rounds, **phases}, request_rounds=stats[0])
         return Output([row[:n] for row, n in zip(out[:B], count[:B])], metrics)
 
     @torch.no_grad()
@@ -303,6 +304,10 @@ class Decoder:
         measured on `prompts` (a tree's acceptance is its own: no chain run gives it; measure it on
         long enough generates, `new_tokens`). The most tokens per ms wins. on_timed(k, ms) is called
         after each K or shape is timed.
+
+        prompts: more than max_batch (a sample of the traffic) run in batches of max_batch for the
+        acceptance, pooled over them (`pooled_acceptance`); the rounds are timed on the first
+        batch. At bs 1 one prompt's acceptance is only where its one trajectory goes.
         """
         if self.drafter is None:
             raise ValueError("plain decoding (drafter=None) drafts nothing: there is no K to tune")
@@ -312,9 +317,11 @@ class Decoder:
             if not isinstance(tree, TreeShape):
                 raise ValueError(f"trees must hold specpass.TreeShape values, got {tree!r}")
         short, long = new_tokens
+        batches = [prompts[i:i + self.max_batch] for i in range(0, len(prompts), self.max_batch)] or [prompts]
         for k in [*timed, *trees]:  # every K fits the caches, checked before anything compiles
             try:
-                self._check_prompts(prompts, [long] * len(prompts), k)
+                for batch in batches:
+                    self._check_prompts(batch, [long] * len(batch), k)
             except ValueError as exc:
                 raise ValueError(f"tuning at K = {k}: {exc}") from None
         longest = max(len(p) for p in prompts)
@@ -322,7 +329,9 @@ class Decoder:
 
         def time_k(k: int) -> tuple[float, list[float]]:
             self.use_k(k)
-            ms, measured = self.round_ms(prompts, short, long, repeats)
+            ms, measured = self.round_ms(batches[0], short, long, repeats)
+            if len(batches) > 1:
+                measured = pooled_acceptance([self.generate(batch, long).metrics for batch in batches])
             if on_timed is not None:
                 on_timed(k, ms)
             return ms, measured
