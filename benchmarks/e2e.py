@@ -161,8 +161,8 @@ class Bench:
             decoders[variant] = decoder = self.decoders[variant, len(prompts), max_len]
             if k == TUNED:  # the loop's own choice, timed on these prompts (the GPU its own while it times)
                 with harness.exclusive(self.args.gpu_lock):
-                    choice = decoder.tune_k([p for batch in batches for p in batch], self.args.tune_ks, off=True, trees=self.args.trees,
-                                            new_tokens=self.args.tune_tokens)
+                    choice = decoder.tune_k([p for batch in batches for p in batch], self.args.tune_ks, off=True,
+                                            trees=self.args.trees, new_tokens=self.args.tune_tokens, sampling=sampling)
                 print(f"    tune_k chose {choice.k}: tokens/ms {({str(c): round(v, 3) for c, v in choice.tokens_per_ms.items()})}",
                       file=sys.stderr)
             first = decoder.generate(prompts, new, **sampling)  # compiles, records the CUDA graphs
@@ -315,6 +315,7 @@ def sweep_sampling(args, save) -> list[dict]:
         loops += [("eagle3/specpass-fused", "eagle3", "specpass", True, k, False),
                   ("eagle3/specpass-fused-greedy-drafts", "eagle3", "specpass", True, k, True)]
     loops += [("eagle3/specpass-fused", "eagle3", "specpass", True, tree, False) for tree in args.trees]
+    loops += [("eagle3/specpass-fused/tuned", "eagle3", "specpass", True, TUNED, False)] * args.tuned
     rows = []
     for bs in args.bs:
         batches = bench.batches(bs)
@@ -325,20 +326,26 @@ def sweep_sampling(args, save) -> list[dict]:
             variants = [v for v in loops if not (v[5] and temperature == 0)]
             for (variant, _, _, _, k, _), r in bench.run_loops(batches, variants, sampling).items():
                 k = label(k)
-                if temperature == 0:
+                if temperature == 0 and not variant.endswith("/tuned"):
                     greedy_round[variant, k] = greedy_round[f"{variant}-greedy-drafts", k] = r["round_ms"]
+                # the loop's choice: against the greedy round of the same K (None: that K not swept)
+                greedy = greedy_round.get((variant.removesuffix("/tuned"), k))
                 row = LoopRow(env=env, variant=variant, bs=bs, temperature=temperature, top_p=top_p,
-                              round_vs_greedy=r["round_ms"] / greedy_round[variant, k],
+                              round_vs_greedy=greedy and r["round_ms"] / greedy,
                               **{key: v for key, v in r.items() if key != "tokens"}).asdict()
                 rows.append(row)
                 save(rows)
                 profiled = f", {r['profile']['kernels']} kernels {r['profile']['us']} us per round" if "profile" in r else ""
                 print(f"  bs {bs} T {temperature} p {top_p} k {k} {variant}: {row['tokens_per_s']:.0f} tok/s, "
                       f"accept {row['accept_length']}, round {row['round_ms']:.3f} ms "
-                      f"({row['round_vs_greedy']:.2f}x greedy){profiled}", file=sys.stderr)
+                      f"({ratio(row['round_vs_greedy'])} greedy){profiled}", file=sys.stderr)
         bench.decoders.clear()
         torch.compiler.reset()
     return rows
+
+
+def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def sampling_table(rows: list[dict]) -> str:
@@ -349,7 +356,7 @@ def sampling_table(rows: list[dict]) -> str:
         accept = f"{r['accept_length']:.2f}" if r["k"] else "-"
         lines.append(f"| {r['bs']} | {r['temperature']} | {r['top_p'] or '-'} | {r['variant']} | {r['k'] or '-'} | "
                      f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base[r['bs'], r['temperature'], r['top_p']]:.2f}x | "
-                     f"{accept} | {r['round_ms']:.3f} | {r['round_vs_greedy']:.2f} |")
+                     f"{accept} | {r['round_ms']:.3f} | {ratio(r['round_vs_greedy'])} |")
     return "\n".join(lines)
 
 

@@ -248,6 +248,11 @@ def exclusive(lock: Path | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def k_or_tree(text: str):
+    """K or TOPK,STEPS,TOKENS (a command line's --k) -> an int or a TreeShape."""
+    return tree_shapes(text)[0] if "," in text else int(text)
+
+
 def tree_shapes(text: str) -> list:
     """TOPK,STEPS,TOKENS;... (a command line's --trees) -> TreeShapes."""
     from specpass.loop import TreeShape

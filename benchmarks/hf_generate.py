@@ -106,7 +106,7 @@ class Bench:
         """name -> a function of the prompts that generates and returns the new tokens per request
         (the first call compiles); built fresh per batch size."""
         import specpass
-        from specpass.loop import Decoder
+        from specpass.loop import Decoder, cache_slots
 
         new, k = self.args.new_tokens, self.args.k
 
@@ -127,7 +127,7 @@ class Bench:
 
             def run(ids, mask, prompts):
                 if not decoders:
-                    max_len = max(map(len, prompts)) + new + 2 * k + 1
+                    max_len = cache_slots(max(map(len, prompts)), new, k)
                     decoders[0] = Decoder(target, drafter, k=k, max_batch=len(prompts), max_len=max_len,
                                           compile=self.compile, mode=self.mode, fused_round=self.device.type == "cuda")
                 out = decoders[0].generate(prompts, new)
@@ -217,7 +217,8 @@ def _cpu_backend():
 def sweep(args) -> list[dict]:
     bench = Bench(args)
     torch = bench.torch
-    env = harness.environment(bench.device, args.dtype, new_tokens=args.new_tokens, k=args.k)
+    env = harness.environment(bench.device, args.dtype, new_tokens=args.new_tokens,
+                              k=args.k if isinstance(args.k, int) else str(args.k))
     print(harness.describe(env), file=sys.stderr)
     rows = [] if args.no_qwen3 else tiny_qwen3(args, env)
     for bs in args.bs:
@@ -321,7 +322,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--bs", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])
-    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--k", type=harness.k_or_tree, default=4, metavar="K|TOPK,STEPS,TOKENS",
+                        help="the drafts per round, or a tree shape: tree rounds")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", default="specpass/plain,specpass/draft,specpass/eagle3,zoo/draft,zoo/eagle3,"

@@ -523,6 +523,19 @@ def test_tune_k_pools_acceptance_over_more_prompts_than_max_batch(target):
     assert [m.request_rounds for m in runs] == [m.rounds for m in runs]  # one request each: every round active
 
 
+def test_tune_k_times_and_measures_with_the_traffic_s_sampling(target):
+    """sampling= reaches every generate tune_k runs: its acceptance is the sampled one (the
+    largest K's run at that temperature and seed), not the greedy one."""
+    sampling = dict(temperature=1.5, seed=7)
+    want = speculate(target, "noisy-copy", 3, new=8, **sampling).metrics.acceptance
+    assert want != speculate(target, "noisy-copy", 3, new=8).metrics.acceptance, "must differ from greedy"
+    dec = Decoder(target, drafter("noisy-copy", target), max_batch=len(PROMPTS), max_len=MAX_LEN, compile="eager")
+    choice = dec.tune_k(PROMPTS, (1, 3), new_tokens=(2, 8), repeats=1, max_timings=0, sampling=sampling)
+    assert choice.acceptance == pytest.approx(want, abs=1e-12)
+    with pytest.raises(ValueError, match="sampling must be None or a mapping of generate's temperature"):
+        dec.tune_k(PROMPTS, (1, 3), sampling={"temp": 1.0})
+
+
 def test_tune_k_compiles_one_prefill_for_every_k(target):
     """A chain drafter's prefill does not read K: the K that tune_k times share one compiled
     prefill; compile_prefill=False compiles none (a benchmark of the rounds alone)."""
@@ -532,6 +545,7 @@ def test_tune_k_compiles_one_prefill_for_every_k(target):
         dec = Decoder(target, drafter("tiny-llama-eagle3", target), k=2, max_batch=3, max_len=MAX_LEN,
                       compile=backend, fused_round=True, compile_prefill=compile_prefill)
         dec.tune_k(PROMPTS, (1, 3), new_tokens=(2, 6), repeats=1, max_timings=0)
+        dec.use_k(3)  # timed, compiled: the K it chose may be the priced, untimed K 2 (host timing decides)
         assert dec.generate(PROMPTS, 6).tokens == want
         assert backend.graphs == graphs, compile_prefill  # the round at K 1 and at K 3, the prefill once or not
     with pytest.raises(ValueError, match="compile_prefill must be True or False"):

@@ -4,7 +4,7 @@ is compiled or run."""
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -163,3 +163,16 @@ def check_timing(short: Any, long: Any, repeats: Any) -> None:
     if not (is_int(short) and is_int(long) and 1 <= short < long) or not is_int(repeats) or repeats < 1:
         raise ValueError(f"the new tokens of the two generates timed must be ints short, long with 1 <= short < long "
                          f"and repeats an int >= 1, got {short!r}, {long!r}, {repeats!r}")
+
+
+SAMPLING_ARGUMENTS = ("temperature", "top_k", "top_p", "seed")
+
+
+def check_sampling(sampling: Any) -> dict[str, Any]:
+    """The generate arguments a round is timed with: a mapping of some of SAMPLING_ARGUMENTS, or None (greedy)."""
+    if sampling is None:
+        return {}
+    if not isinstance(sampling, Mapping) or set(sampling) - set(SAMPLING_ARGUMENTS):
+        raise ValueError(f"sampling must be None or a mapping of generate's {', '.join(SAMPLING_ARGUMENTS)}, "
+                         f"got {sampling!r}")
+    return dict(sampling)

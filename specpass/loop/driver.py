@@ -21,15 +21,15 @@ import dataclasses
 import functools
 import itertools
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from specpass.loop import runtime
-from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts, check_timing,
-                                  check_tuning, device_of, is_int, probe)
+from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts, check_sampling,
+                                  check_timing, check_tuning, device_of, is_int, probe)
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, pooled_acceptance, price
 from specpass.loop.protocols import Drafter, Target
 from specpass.loop.runtime import DoneFlags, PhaseTimer, clock, compiler, replayed
@@ -267,23 +267,26 @@ class Decoder:
         return clock(self.device)
 
     def round_ms(self, prompts: Sequence[Sequence[int]], short: int, long: int,
-                 repeats: int = 3) -> tuple[float, list[float]]:
-        """The current K's ms per round on `prompts` (greedy; the batch padded to max_batch as
-        `generate` pads it): the loop time of a `long`-token generate less a `short` one over the
-        rounds between, median of `repeats` (one generate first compiles; on a GPU, records the
-        CUDA graphs), so the prefill and compiling cancel -> (ms, the acceptance per draft position
-        of the last long generate)."""
+                 repeats: int = 3, sampling: Mapping[str, Any] | None = None) -> tuple[float, list[float]]:
+        """The current K's ms per round on `prompts` (the batch padded to max_batch as `generate`
+        pads it): the loop time of a `long`-token generate less a `short` one over the rounds
+        between, median of `repeats` (one generate first compiles; on a GPU, records the CUDA
+        graphs), so the prefill and compiling cancel -> (ms, the acceptance per draft position of
+        the last long generate). sampling: generate's temperature / top_k / top_p / seed (default
+        greedy), as the traffic is served: a sampled round costs more, and accepts less."""
         check_timing(short, long, repeats)
-        self.generate(prompts, short)  # compiles; on a GPU, records the CUDA graphs
+        sampling = check_sampling(sampling)
+        self.generate(prompts, short, **sampling)  # compiles; on a GPU, records the CUDA graphs
         samples = []
         for _ in range(repeats):
-            a, b = (self.generate(prompts, n).metrics for n in (short, long))
+            a, b = (self.generate(prompts, n, **sampling).metrics for n in (short, long))
             samples.append((b.seconds - b.prefill_seconds - a.seconds + a.prefill_seconds) / (b.rounds - a.rounds))
         return 1e3 * statistics.median(samples), b.acceptance
 
     def tune_k(self, prompts: Sequence[Sequence[int]], ks: Sequence[int] = (2, 6), *,
                acceptance: Sequence[float] | None = None, new_tokens: tuple[int, int] = (8, 40),
                repeats: int = 3, max_timings: int = 4, off: bool = False, trees: Sequence[TreeShape] = (),
+               sampling: Mapping[str, Any] | None = None,
                on_timed: Callable[[Any, float], None] | None = None) -> KChoice:
         """Choose the round for this batch size from measured costs: plain decoding (K 0), the
         chain's best K, or a tree shape; then decode with it.
@@ -302,8 +305,10 @@ class Decoder:
         Then, against that K's tokens per ms: plain decoding (off=True), timed (a round emits one
         token), and each shape of `trees` (e.g. `specpass.loop.TREES`), timed with its accepted length
         measured on `prompts` (a tree's acceptance is its own: no chain run gives it; measure it on
-        long enough generates, `new_tokens`). The most tokens per ms wins. on_timed(k, ms) is called
-        after each K or shape is timed.
+        long enough generates, `new_tokens`). The most tokens per ms wins. sampling: generate's
+        temperature / top_k / top_p / seed the traffic is served with (default greedy): every
+        round is timed and every acceptance measured with them. on_timed(k, ms) is called after
+        each K or shape is timed.
 
         prompts: more than max_batch (a sample of the traffic) run in batches of max_batch for the
         acceptance, pooled over them (`pooled_acceptance`); the rounds are timed on the first
@@ -312,6 +317,7 @@ class Decoder:
         if self.drafter is None:
             raise ValueError("plain decoding (drafter=None) drafts nothing: there is no K to tune")
         timed = check_tuning(ks, acceptance, new_tokens, repeats, max_timings)
+        sampling = check_sampling(sampling)
         for tree in trees:
             check_k(self.drafter, tree)
             if not isinstance(tree, TreeShape):
@@ -329,9 +335,9 @@ class Decoder:
 
         def time_k(k: int) -> tuple[float, list[float]]:
             self.use_k(k)
-            ms, measured = self.round_ms(batches[0], short, long, repeats)
+            ms, measured = self.round_ms(batches[0], short, long, repeats, sampling)
             if len(batches) > 1:
-                measured = pooled_acceptance([self.generate(batch, long).metrics for batch in batches])
+                measured = pooled_acceptance([self.generate(batch, long, **sampling).metrics for batch in batches])
             if on_timed is not None:
                 on_timed(k, ms)
             return ms, measured
