@@ -1,9 +1,9 @@
 """EAGLE-3 catch-up step at tensor parallel 2: plain Inductor vs specpass, ms and collective bytes per step.
 
 The Llama-3-8B-shaped head of benchmarks/catchup.py (hidden 4096, 32/8 heads, MLP 14336, draft
-vocab 32000), bf16, KV cache 2048 per request, sharded by models/tp.py: column-parallel q/k/v and
-gate/up, row-parallel o_proj and down_proj (each all-reduced), a vocabulary-parallel lm_head (its
-logits all-gathered). Each step runs T rows per request, writes all their K/V and samples one live
+vocab 32000), bf16, KV cache 2048 per request, sharded by models/tp.py (torch's parallelize_module
+plan, run on local shards): column-parallel q/k/v and gate/up, row-parallel o_proj and down_proj
+(each all-reduced), a vocabulary-parallel lm_head (its logits all-gathered). Each step runs T rows per request, writes all their K/V and samples one live
 row per request (a different one for each request).
 
 Per batch size: ms per step of plain Inductor and specpass, each captured into one CUDA graph (as
@@ -36,7 +36,7 @@ import specpass
 from benchmarks import harness
 from benchmarks.catchup import step_ms
 from models import zoo
-from models.tp import shard, tensor_parallel
+from models.tp import tensor_parallel
 from specpass.drafters.attention import Attention
 
 _C10D = "_c10d_functional"
@@ -144,8 +144,10 @@ def check(name: str, group: dist.ProcessGroup, device, backend) -> None:
 
 
 def _heads(layer, attn, cache: str, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's K/V heads of a full layer's cache (shared by ranks when there are fewer heads)."""
-    return shard(getattr(layer, cache), 2, group, layer.n_kv_heads // attn.n_kv_heads)
+    """This rank's K/V heads of a full layer's cache [B, S, heads, d] (all of them when they are not
+    sharded)."""
+    parts = layer.n_kv_heads // attn.n_kv_heads
+    return getattr(layer, cache).chunk(parts, 2)[dist.get_rank(group) * parts // dist.get_world_size(group)]
 
 
 def _caches(model) -> dict[str, torch.Tensor]:

@@ -15,12 +15,13 @@ import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import specpass
 from benchmarks.catchup_tp import check, collective_bytes, small_step
 from models import zoo
-from models.tp import RowParallelLinear, VocabParallelLinear, shard, tensor_parallel
+from models.tp import gather_last, parallelize, tensor_parallel
 from specpass.testing import graph_str
 
 B, T, S, H, V = 3, 4, 16, 8, 12  # B, T and S as in small_step
@@ -51,21 +52,23 @@ def _tp_head(name, group):
 
 
 class TPDraft(torch.nn.Module):
-    """A one-layer catch-up step small enough to print, this rank's shard of it (models/tp.py's
-    layers): half the K and Q columns, a row-parallel o_proj, a vocabulary-parallel lm_head."""
+    """A one-layer catch-up step small enough to print, this rank's shard of it (torch's plan, run
+    on local shards by models/tp.py): half the K and Q columns, a row-parallel o_proj, a
+    vocabulary-parallel lm_head."""
 
     def __init__(self, group):
         super().__init__()
         torch.manual_seed(0)
-        self.wk, self.wq = (torch.nn.Parameter(shard(torch.randn(H, H), 0, group)) for _ in range(2))
-        self.o_proj = RowParallelLinear(torch.nn.Linear(H, H, bias=False), group)
-        self.lm_head = VocabParallelLinear(torch.nn.Linear(H, V, bias=False), group)
+        self.wk, self.wq, self.o_proj = (torch.nn.Linear(H, H, bias=False) for _ in range(3))
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+        parallelize(self, group, {"wk": ColwiseParallel(), "wq": ColwiseParallel(), "o_proj": RowwiseParallel(),
+                                  "lm_head": ColwiseParallel(output_layouts=Replicate())})
         self.register_buffer("cache", torch.zeros(B, S, H // 2))
 
     def forward(self, x, pos, live):  # x: [B, T, H]; pos: [T], the cache slots of the T rows
-        self.cache.index_copy_(1, pos, F.linear(x, self.wk))
+        self.cache.index_copy_(1, pos, self.wk(x))
         mask = torch.arange(S) <= pos[:, None]
-        a = F.scaled_dot_product_attention(F.linear(x, self.wq), self.cache, self.cache, attn_mask=mask)
+        a = F.scaled_dot_product_attention(self.wq(x), self.cache, self.cache, attn_mask=mask)
         h = x + self.o_proj(a)
         return self.lm_head(F.rms_norm(h, (H,)))[torch.arange(x.shape[0]), live]
 
@@ -82,23 +85,23 @@ class TestGraphs(expecttest.TestCase):
         result = specpass.rewrite(gm, argmax=False)
         self.assertExpectedInline(graph_str(result.graph_module), """\
 cache: f32[3, 16, 4]
-wk: f32[4, 8]
+wk_weight: f32[4, 8]
 x: f32[3, 4, 8]
 pos: i64[4]
-wq: f32[4, 8]
+wq_weight: f32[4, 8]
 o_proj_weight: f32[8, 4]
 lm_head_weight: f32[6, 8]
 live: i64[3]
 arange_start_step: i64[3] = arange.start_step(0, 3, 1, dtype=i64, device=cpu)
 unsqueeze_default_1: i64[3, 1] = unsqueeze(arange_start_step, 1)
 unsqueeze_default: i64[3, 1] = unsqueeze(live, 1)
-linear: f32[3, 4, 4] = linear(x, wk)
+linear: f32[3, 4, 4] = linear(x, wk_weight)
 index_copy_: f32[3, 16, 4] = index_copy_(cache, 1, pos, linear)
 arange: i64[16] = arange(16, device=cpu, pin_memory=False)
 unsqueeze: i64[4, 1] = unsqueeze(pos, 1)
 le: b8[4, 16] = le.Tensor(arange, unsqueeze)
 x_rows: f32[3, 1, 8] = index.Tensor(x, [unsqueeze_default_1, unsqueeze_default])
-linear_1: f32[3, 1, 4] = linear(x_rows, wq)
+linear_1: f32[3, 1, 4] = linear(x_rows, wq_weight)
 expand_default: b8[3, 4, 16] = expand(le, [3, 4, 16])
 le_rows: b8[3, 1, 16] = index.Tensor(expand_default, [unsqueeze_default_1, unsqueeze_default])
 scaled_dot_product_attention: f32[3, 1, 4] = scaled_dot_product_attention(linear_1, index_copy_, index_copy_, le_rows)
@@ -162,8 +165,7 @@ def gather_vocab_funcol(x, select):
 
 def gather_vocab_leading(x, select):
     """models/tp.py's spelling: all_gather along a new leading axis, moved next to the last."""
-    gathered = funcol.all_gather_tensor(project(x).unsqueeze(0), 0, dist.group.WORLD)
-    return select(gathered.movedim(0, -2).flatten(-2))
+    return select(gather_last(project(x), dist.group.WORLD))
 
 
 def scatter_hidden(x, select):

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from specpass.loop.distributed import Ranks
 from specpass.loop.protocols import Target, require
 from specpass.loop.runtime import COMPILERS
 from specpass.loop.shapes import round_shape
@@ -43,6 +44,14 @@ def check_options(max_batch: Any, max_len: Any, compile: Any, compile_prefill: A
             raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
+def check_ranks_option(group: Any, check_ranks: Any) -> None:
+    if not isinstance(check_ranks, bool):
+        raise ValueError(f"check_ranks must be True or False, got {check_ranks!r}")
+    if check_ranks and group is None:
+        raise ValueError("check_ranks=True compares the ranks of a tensor-parallel Decoder: pass the process group "
+                         "the models are sharded over as group=")
+
+
 def device_of(target: Target) -> torch.device:
     parameter = next(iter(target.parameters()), None)
     if parameter is None:
@@ -51,11 +60,11 @@ def device_of(target: Target) -> torch.device:
 
 
 @torch.no_grad()
-def probe(target: Target, drafter: Any, max_batch: int, device: torch.device) -> int:
+def probe(target: Target, drafter: Any, max_batch: int, device: torch.device, ranks: Ranks | None = None) -> int:
     """One token through the target and the drafter before anything is compiled, so that models
     which do not fit fail here, named, not inside a kernel mid-decoding (on a GPU an id out of
     range is a device-side assert). Writes cache slots 0 and 1, which every prefill overwrites.
-    -> the target's vocabulary size."""
+    With ranks, their logits are checked equal on every rank. -> the target's vocabulary size."""
     zeros = torch.zeros(max_batch, 1, dtype=torch.long, device=device)
     kind = drafter.hidden_kind if drafter is not None else None
     if kind is None:
@@ -64,6 +73,8 @@ def probe(target: Target, drafter: Any, max_batch: int, device: torch.device) ->
         logits, hidden = target.forward_with_hidden(zeros, zeros, kind)
     V = logits.shape[-1]
     if drafter is None:
+        if ranks is not None:
+            ranks.check_models(logits, None)
         return V
     try:
         draft_logits, _ = drafter.catch_up(zeros, zeros + 1, hidden, zeros[:, 0])
@@ -73,6 +84,8 @@ def probe(target: Target, drafter: Any, max_batch: int, device: torch.device) ->
         sizes = " (its hidden sizes, e.g. EAGLE-3's target_hidden_size, must match the target's)" if kind else ""
         raise ValueError(f"the drafter does not fit the target: its catch_up fails on {reads} "
                          f"({type(exc).__name__}: {reason}). Use a drafter made for this target{sizes}") from exc
+    if ranks is not None:
+        ranks.check_models(logits, draft_logits)
     ids = drafter.to_target(torch.arange(draft_logits.shape[-1], device=device))
     if not torch.equal(ids.clamp(0, V - 1), ids):  # not .all().item(): tests count .item() as host syncs
         outside = ids[(ids < 0) | (ids >= V)]

@@ -28,9 +28,11 @@ import torch
 from torch import Tensor
 
 from specpass.loop import runtime
-from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts, check_sampling,
-                                  check_timing, check_tuning, device_of, is_int, probe)
+from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts,
+                                  check_ranks_option, check_sampling, check_timing, check_tuning, device_of, is_int,
+                                  probe)
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, pooled_acceptance, price
+from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
 from specpass.loop.protocols import Drafter, Target
 from specpass.loop.runtime import DoneFlags, PhaseTimer, clock, compiler, replayed
 from specpass.loop.shapes import PLAIN, RoundShape, round_shape
@@ -106,6 +108,12 @@ class Decoder:
       compile, about a minute at 8B shape).
     skip_guards: rounds 3 on of a call run without Dynamo's guard evaluation (`runtime.skip_guards`);
       False keeps every guard (what that saves, measured). An attribute too: `dec.skip_guards = False`.
+    group: the torch.distributed process group the models are sharded over (tensor parallel), or None
+      (one process). Every rank builds this Decoder and calls it with the same arguments; every rank
+      returns the same tokens. The ranks' probe logits, generate's arguments and its output are
+      checked equal across ranks (`specpass.loop.distributed`). A group of one runs as one process.
+    check_ranks: with a group, also compare the ranks' state after every round (a debug mode: one
+      small all-reduce per round, no host sync; a divergence names the first round that differed).
 
     Decoding, and its parts for benchmarks (every one the same code `generate` runs):
       dec.generate(prompts, max_new_tokens, ...) -> Output     the whole loop, metrics included
@@ -124,13 +132,16 @@ class Decoder:
     def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int | TreeShape = 4, max_batch: int,
                  max_len: int, compile: str | Callable = "specpass", mode: str | None = None,
                  fused_round: bool = False, greedy_drafts: bool = False, compile_prefill: bool = True,
-                 skip_guards: bool = True):
+                 skip_guards: bool = True, group: Any = None, check_ranks: bool = False):
         check_models(target, drafter)
         check_k(drafter, k if drafter is not None else 0)  # before any cache is allocated (`use_k` below)
         check_options(max_batch, max_len, compile, compile_prefill, skip_guards)
+        check_ranks_option(group, check_ranks)
         self.target, self.drafter = target, drafter
         self.max_batch, self.max_len = max_batch, max_len
         self.device = device_of(target)
+        self.ranks = Ranks.of(group, self.device)  # None: one process
+        self.check_ranks = check_ranks
         self.cudagraphs = mode == "reduce-overhead" and compile != "eager"
         self.fused_round = fused_round
         self.greedy_drafts = greedy_drafts
@@ -138,7 +149,7 @@ class Decoder:
         target.setup_caches(max_batch, max_len)
         if drafter is not None:
             drafter.setup_caches(max_batch, max_len)
-        self.vocab_size = probe(target, drafter, max_batch, self.device)
+        self.vocab_size = probe(target, drafter, max_batch, self.device, self.ranks)
         self._hidden_kind = drafter.hidden_kind if drafter is not None else None
         self._wrap = compiler(compile, mode)
         self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, dynamic=None)
@@ -208,13 +219,18 @@ class Decoder:
         timer = PhaseTimer(self.device) if timing and not self.fused_round else None
         run_round = self._bound[self._k].round if timer is None else self._timed_round(timer)
         rounds, flags, state = 0, DoneFlags(self.device), run.state
-        with contextlib.closing(self._replay(run_round, run)) as replay:
+        check = self._round_check()
+        with contextlib.closing(self._replay(run_round, run, check)) as replay:
             for state, _, finished in replay:
                 rounds += 1
                 if flags.push(finished):  # the round's one host sync
                     rounds -= flags.lag  # a round run after all were done emitted nothing
                     break
         end = self.clock()
+        if check is not None:
+            check.raise_if_differed()
+        if self.ranks is not None:
+            self.ranks.check_output(state.out, state.count, state.stats)
 
         out, count, stats = state.out.tolist(), state.count.tolist(), state.stats.tolist()
         active = max(stats[0], 1)
@@ -257,9 +273,12 @@ class Decoder:
             raise ValueError(f"the run was started at K {run.k} and the decoder is at K {self._k}: "
                              f"call use_k({run.k!r}) first, or start a new run")
         state, carry = run.state, run.carry
-        with contextlib.closing(self._replay(self._bound[self._k].round, run)) as replay:
+        check = self._round_check()
+        with contextlib.closing(self._replay(self._bound[self._k].round, run, check)) as replay:
             for _, (state, carry, _) in zip(range(n), replay):
                 pass
+        if check is not None:
+            check.raise_if_differed()
         return Run(state, carry, run.params, run.k)
 
     def clock(self) -> float:
@@ -374,8 +393,16 @@ class Decoder:
         B = len(prompts)
         limits = per_request(max_new_tokens, B, "max_new_tokens", int, lambda v: v >= 1, ">= 1")
         eos = per_request(-1 if eos_id is None else eos_id, B, "eos_id", int, lambda v: v >= -1, ">= -1")  # -1: none
+        if seed is None and self.ranks is not None:
+            seed = self.ranks.shared_seed()  # not one fresh seed per rank
         params = Params.make(B, self.max_batch, self.device, temperature, top_k, top_p, seed)  # None: greedy
-        return self._check_prompts(prompts, limits, self._k), limits, eos, params
+        prompts = self._check_prompts(prompts, limits, self._k)
+        if self.ranks is not None:
+            sampling = -1 if params is None else checksum(*(t for t in params if t is not None))
+            self.ranks.check_request({"prompts": fingerprint(prompts), "max_new_tokens": fingerprint(limits),
+                                      "eos_id": fingerprint(eos), "sampling parameters": sampling,
+                                      "K": fingerprint(self._k)})
+        return prompts, limits, eos, params
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], limits: list[int], k: int) -> list[list[int]]:
         return check_prompts(prompts, limits, self.vocab_size, self.max_batch, self.max_len, k,
@@ -414,13 +441,21 @@ class Decoder:
 
         return replayed(run_round) if self.cudagraphs else run_round
 
-    def _replay(self, run_round: Callable, run: Run) -> Iterator[tuple[State, Carry, Tensor]]:
+    def _round_check(self) -> RoundCheck | None:
+        return RoundCheck(self.ranks) if self.check_ranks and self.ranks is not None else None
+
+    def _replay(self, run_round: Callable, run: Run,
+                check: RoundCheck | None = None) -> Iterator[tuple[State, Carry, Tensor]]:
         """Rounds from `run`, one per step of the iteration: (state, carry, all done). Rounds 3 on
-        run without guard evaluation (`runtime.skip_guards`), which ends with the iteration."""
+        run without guard evaluation (`runtime.skip_guards`), which ends with the iteration. check:
+        each round's state compared across ranks (`check_ranks`)."""
         state, carry, params, _ = run
         with contextlib.ExitStack() as unguarded:
             for number in itertools.count(1):
                 state, carry, finished = run_round(state, carry, params)
+                if check is not None:  # every rank stops after the same round, even diverged: no hang
+                    tensors = (state.last, state.pos, state.out, state.count, state.done, state.stats)
+                    finished = check.observe(number, tensors, finished)
                 yield state, carry, finished
                 if number == 2 and self.skip_guards:
                     unguarded.enter_context(runtime.skip_guards())
