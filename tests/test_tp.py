@@ -21,7 +21,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import specpass
 from benchmarks.catchup_tp import check, collective_bytes, small_step
 from models import zoo
-from models.tp import gather_last, parallelize, tensor_parallel
+from models.tp import tensor_parallel
+from specpass.tensor_parallel import gather_last, parallelize
 from specpass.testing import graph_str
 
 B, T, S, H, V = 3, 4, 16, 8, 12  # B, T and S as in small_step

@@ -22,12 +22,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from specpass.compile_backend import backend as specpass_backend
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
 from specpass.loop import Decoder, Metrics, TreeShape, round_shape
 from specpass.loop.shapes import aligned
+from specpass.tensor_parallel import localize
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
 
@@ -151,8 +153,10 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     def build() -> tuple[Decoder, _Recorder | None]:
         backend = specpass_backend() if compile == "specpass" else compile
         recorder = _Recorder(backend) if callable(backend) else None  # "inductor", "eager": nothing to report
-        return Decoder(HFTarget(model), drafter, k=k, max_batch=len(prompts), max_len=slots,
-                       compile=recorder or backend, mode=mode, fused_round=fused_round), recorder
+        # tp_plan="auto": the local shards, so that the passes see the graph (DTensors cannot be captured)
+        target, group = localize(model) if any(isinstance(p, DTensor) for p in model.parameters()) else (model, None)
+        return Decoder(HFTarget(target), drafter, k=k, max_batch=len(prompts), max_len=slots,
+                       compile=recorder or backend, mode=mode, fused_round=fused_round, group=group), recorder
 
     cache = decoder_cache if decoder_cache is not None else generate.cache
     key = (id(model), id(assistant_model), k, len(prompts), slots, compile, mode, fused_round)
