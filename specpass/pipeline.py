@@ -58,19 +58,25 @@ def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
 
 def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
     report = Report()
-    current = _copy(gm)
-    make_local_writes_functional(current)  # the IR: in place only what another tensor sees
-    _clean(current)
+    with report.timed("prepare/copy"):
+        current = _copy(gm)
+    with report.timed("prepare/functional"):
+        make_local_writes_functional(current)  # the IR: in place only what another tensor sees
+    _clean(current, report, "prepare")
     for name, run in PASSES:
         if not getattr(options, name):
             continue
-        candidate = _copy(current)
-        fixed = _fixed_sizes(current)
+        with report.timed(f"{name}/copy"):
+            candidate = _copy(current)
+        with report.timed(f"{name}/checks"):
+            fixed = _fixed_sizes(current)
         try:
-            findings = run(candidate, options)
-            _clean(candidate)
-            _check_invariants(before=current, after=candidate)
-            _check_no_specialization(candidate, fixed)
+            with report.timed(f"{name}/rewrite"):
+                findings = run(candidate, options)
+            _clean(candidate, report, name)
+            with report.timed(f"{name}/checks"):
+                _check_invariants(before=current, after=candidate)
+                _check_no_specialization(candidate, fixed)
         except Exception as exc:
             report.errors.append(
                 f"pass {name} failed ({type(exc).__name__}: {exc}); the graph is kept as it was before {name}"
@@ -82,7 +88,8 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
             continue
         report.findings.extend(findings)
         current = candidate
-    report.matmul_flops = (graph_matmul_flops(gm), graph_matmul_flops(current))
+    with report.timed("report/flops"):
+        report.matmul_flops = (graph_matmul_flops(gm), graph_matmul_flops(current))
     return RewriteResult(current, report)
 
 
@@ -97,11 +104,13 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, gm.graph.__deepcopy__(), class_name=type(gm).__name__)
 
 
-def _clean(gm: fx.GraphModule) -> None:
-    gm.graph.eliminate_dead_code(is_impure)  # in-place ops are impure: KV writes survive
-    gm.graph.lint()
-    gm.recompile()
-    propagate_fake_tensors(gm)
+def _clean(gm: fx.GraphModule, report: Report, part: str) -> None:
+    with report.timed(f"{part}/clean"):
+        gm.graph.eliminate_dead_code(is_impure)  # in-place ops are impure: KV writes survive
+        gm.graph.lint()
+        gm.recompile()
+    with report.timed(f"{part}/propagate"):
+        propagate_fake_tensors(gm)
 
 
 def propagate_fake_tensors(gm: fx.GraphModule) -> None:

@@ -202,6 +202,10 @@ def test_report_is_logged(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="specpass"):
         _run(model, specpass.backend(handoff="eager"), tokens, positions)
     assert "[silu] rewrote silu: silu -> x * sigmoid(x)" in caplog.text
+    (record,) = [r for r in caplog.records if hasattr(r, "report")]
+    assert record.report.rewrites[0].where == "silu"
+    assert list(record.report.seconds)[0] == "capture" and "live_rows/rewrite" in record.report.seconds
+    assert "\n  specpass seconds: capture " in record.getMessage()
 
 
 def test_specpass_log_prints_report_to_stderr():

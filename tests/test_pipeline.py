@@ -115,6 +115,23 @@ specpass: 2 rewrite(s), 1 left alone; graph matmul FLOPs 180K -> 180K
   [live_rows] left alone select: index depends on the rows it selects
   [live_rows] rewrote select_1: gather moved (rows 8 -> 2; matmul FLOPs 1.2M -> 300K)""")
 
+    def test_report_times_each_enabled_pass_and_no_disabled_one(self):
+        pipeline.PASSES = [("live_rows", silu_to_sigmoid), ("argmax", silu_to_sigmoid)]
+        seconds = specpass.rewrite(_captured(), argmax=False).report.seconds
+        steps = ("copy", "rewrite", "clean", "propagate", "checks")
+        for part in [f"prepare/{s}" for s in ("copy", "functional", "clean", "propagate")] + \
+                [f"live_rows/{s}" for s in steps] + ["report/flops"]:
+            self.assertIn(part, seconds)
+        self.assertEqual([part for part in seconds if part.startswith("argmax")], [])
+        for part, value in seconds.items():
+            self.assertIsInstance(value, float, part)
+            self.assertGreaterEqual(value, 0.0, part)
+
+    def test_timing_text(self):
+        report = Report(seconds={"capture": 0.25, "live_rows/copy": 0.001, "live_rows/rewrite": 0.0104})
+        self.assertExpectedInline(report.timing(), """\
+specpass seconds: capture 0.250; live_rows 0.011 (copy 0.001, rewrite 0.010)""")
+
     def test_explain_without_passes_reports_nothing_fired(self):
         pipeline.PASSES = []
         torch.manual_seed(0)
