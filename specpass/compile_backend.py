@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
 import time
 import warnings
@@ -40,6 +41,16 @@ def backend(**options: Any) -> Callable[..., Callable]:
 
     def specpass_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                          options: dict[str, Any] | None = None) -> Callable:
+        # A first compile takes a minute or more: say which step, and how long it took.
+        _log_to_stderr_if_asked()
+        name, start = step_name(gm), time.perf_counter()
+        log.info("specpass: compiling %s (%d nodes)", name, len(gm.graph.nodes))
+        compiled = rewrite_and_hand_off(gm, example_inputs, mode, options)
+        log.info("specpass: compiled %s in %.1f s", name, time.perf_counter() - start)
+        return compiled
+
+    def rewrite_and_hand_off(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None,
+                             options: dict[str, Any] | None) -> Callable:
         inductor_options = dict(options or {})
         ours = {k: inductor_options.pop(k) for k in list(inductor_options) if k in Options.names()}
         opts = Options.make(**{**dataclasses.asdict(base), **ours}) if ours else base
@@ -93,7 +104,17 @@ def _handoff(kind: str, mode: str | None, inductor_options: dict[str, Any]) -> C
     return torch._TorchCompileInductorWrapper(mode, inductor_options or None, dynamic=False)
 
 
-def log_report(report: Report) -> None:
+def step_name(gm: fx.GraphModule) -> str:
+    """The compiled function's name (a loop's step: "decode_round", "prefill"): the outermost frame
+    of any node's stack trace."""
+    for node in gm.graph.nodes:
+        frames = re.findall(r", in (\w+)", node.meta.get("stack_trace") or "")
+        if frames:
+            return frames[0]
+    return f"graph {len(gm.graph.nodes)} nodes"
+
+
+def _log_to_stderr_if_asked() -> None:
     if os.environ.get("SPECPASS_LOG", "0") not in ("", "0") and not any(
         getattr(h, "_specpass_stderr", False) for h in log.handlers
     ):
@@ -101,6 +122,10 @@ def log_report(report: Report) -> None:
         handler._specpass_stderr = True  # type: ignore[attr-defined]
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+
+
+def log_report(report: Report) -> None:
+    _log_to_stderr_if_asked()
     if log.isEnabledFor(logging.INFO):
         # formatted here, where the backend catches a failure, not in a handler; the Report itself
         # rides on the record (`record.report`) for tools that read its figures
