@@ -149,7 +149,7 @@ def test_pass_failure_falls_back_with_one_warning(monkeypatch):
 def test_pipeline_failure_before_any_pass_falls_back(monkeypatch):
     """The pipeline's own preparation of the graph (clean-up, fake propagation) failing must not
     break the model either."""
-    def failing(gm):
+    def failing(gm, kept):
         raise RuntimeError("injected propagation failure")
 
     monkeypatch.setattr(pipeline, "propagate_fake_tensors", failing)
