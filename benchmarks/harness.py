@@ -120,6 +120,13 @@ def graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]  # no public counter of compiled graphs
 
 
+def compile_seconds() -> dict[str, float]:
+    """Seconds per region torch times while compiling (its `dynamo_timed` names: "_compile.compile_inner",
+    "GraphLowering.run", ...), summed over every graph compiled in this process so far. Regions nest."""
+    # no public reader: compile_times(repr="csv") gives the same sums as formatted text
+    return {name: sum(times) for name, times in torch._dynamo.utils.compilation_time_metrics.items()}
+
+
 def inductor_code(fn: Callable, *args: Any) -> tuple[Any, list[str]]:
     """fn(*args) and the source of the code Inductor generated for it."""
     from torch._inductor.utils import run_and_get_code  # no public way to read Inductor's output code

@@ -12,7 +12,8 @@ prompts are cut from standard-library modules held out of training (checkpoints/
 Text goes through a byte-level tokenizer (256 bytes, then <bos> and <eos>). On a GPU the steps run
 as CUDA graphs (mode="reduce-overhead") compiled by Inductor; on a CPU the graphs specpass rewrote
 run eagerly (Inductor's C++ builds take most of a minute). Speculative and plain decoding are
-compiled the same way and timed after a warm-up run. With --temperature > 0 both sample (the same
+compiled the same way and timed after a warm-up run; stderr shows each step as it compiles
+(--quiet: not). With --temperature > 0 both sample (the same
 --top-k, --top-p and --seed); speculative sampling keeps plain sampling's distribution exactly.
 """
 
@@ -56,6 +57,16 @@ def _collect_reports() -> list[str]:
     logger.addHandler(Collect())
     logger.setLevel(logging.INFO)
     return reports
+
+
+def _show_progress() -> None:
+    """specpass's compile progress on stderr ("compiling prefill", "compiled prefill in 12.3 s"): a
+    first call compiles for a minute or more with Inductor on a CPU."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(lambda record: not hasattr(record, "report"))  # the reports are printed at the end
+    logger = logging.getLogger("specpass")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def at_least(kind: type, low: float, name: str):
@@ -114,6 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="compile the whole round as one graph (one CUDA graph replay per round; default on "
                              "CUDA) or each step apart (default on CPU, where nothing is replayed)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs of each decoder (the median counts)")
+    parser.add_argument("--quiet", action="store_true", help="no compile progress lines on stderr")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 unless every token equals plain greedy decoding's (temperature 0 only)")
     parser.add_argument("--temperature", type=at_least(float, 0, "float"), default=0.0, help="0: greedy (default)")
@@ -156,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     args.round = args.round or ("fused" if cuda else "apart")
     backend = specpass.backend(handoff=args.handoff) if args.compile == "specpass" else args.compile
     reports = _collect_reports()
+    if not args.quiet:
+        _show_progress()
     prompts = [encode(t) for t in texts]
     k = args.tree or args.k
     max_len = cache_slots(max(map(len, prompts)), args.max_new_tokens, k)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import sys
+import time
 import warnings
 from typing import Any, Callable
 
@@ -39,11 +41,22 @@ def backend(**options: Any) -> Callable[..., Callable]:
 
     def specpass_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                          options: dict[str, Any] | None = None) -> Callable:
+        # A first compile takes a minute or more: say which step, and how long it took.
+        _log_to_stderr_if_asked()
+        name, start = step_name(gm), time.perf_counter()
+        log.info("specpass: compiling %s (%d nodes)", name, len(gm.graph.nodes))
+        compiled = rewrite_and_hand_off(gm, example_inputs, mode, options)
+        log.info("specpass: compiled %s in %.1f s", name, time.perf_counter() - start)
+        return compiled
+
+    def rewrite_and_hand_off(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None,
+                             options: dict[str, Any] | None) -> Callable:
         inductor_options = dict(options or {})
         ours = {k: inductor_options.pop(k) for k in list(inductor_options) if k in Options.names()}
         opts = Options.make(**{**dataclasses.asdict(base), **ours}) if ours else base
         handoff = _handoff(opts.handoff, mode, inductor_options)
 
+        start = time.perf_counter()
         try:
             aten_gm = to_aten_ir(gm, example_inputs)
         except Exception as exc:
@@ -52,7 +65,9 @@ def backend(**options: Any) -> Callable[..., Callable]:
             return handoff(gm, example_inputs)
 
         try:
+            capture_seconds = time.perf_counter() - start
             result = run_passes(aten_gm, opts)
+            result.report.seconds = {"capture": capture_seconds, **result.report.seconds}
             for compiled in (result.graph_module, aten_gm):
                 adopt_dynamo_inputs(gm, compiled)
         except Exception as exc:  # the pipeline's own checks failed on the unrewritten graph
@@ -89,7 +104,17 @@ def _handoff(kind: str, mode: str | None, inductor_options: dict[str, Any]) -> C
     return torch._TorchCompileInductorWrapper(mode, inductor_options or None, dynamic=False)
 
 
-def log_report(report: Report) -> None:
+def step_name(gm: fx.GraphModule) -> str:
+    """The compiled function's name (a loop's step: "decode_round", "prefill"): the outermost frame
+    of any node's stack trace."""
+    for node in gm.graph.nodes:
+        frames = re.findall(r", in (\w+)", node.meta.get("stack_trace") or "")
+        if frames:
+            return frames[0]
+    return f"graph {len(gm.graph.nodes)} nodes"
+
+
+def _log_to_stderr_if_asked() -> None:
     if os.environ.get("SPECPASS_LOG", "0") not in ("", "0") and not any(
         getattr(h, "_specpass_stderr", False) for h in log.handlers
     ):
@@ -97,8 +122,14 @@ def log_report(report: Report) -> None:
         handler._specpass_stderr = True  # type: ignore[attr-defined]
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+
+
+def log_report(report: Report) -> None:
+    _log_to_stderr_if_asked()
     if log.isEnabledFor(logging.INFO):
-        log.info(str(report))  # formatted here, where the backend catches a failure, not in a handler
+        # formatted here, where the backend catches a failure, not in a handler; the Report itself
+        # rides on the record (`record.report`) for tools that read its figures
+        log.info(f"{report}\n  {report.timing()}", extra={"report": report})
 
 
 def _warn(message: str) -> None:

@@ -3,15 +3,18 @@
 A pass is `run(gm, options) -> list[Finding]`: it edits `gm` (canonical IR, see capture.py) in
 place and returns what it rewrote and what it left alone. The pipeline, not the pass, owns the
 invariants: after every pass the graph is linted, dead code is removed, fake tensors are
-re-propagated so every `meta["val"]` is true, and the outputs (count, shapes, dtypes) and the
+re-propagated (through what the pass changed and everything downstream) so every `meta["val"]` is
+true, and the outputs (count, shapes, dtypes) and the
 sequence of in-place writes must be unchanged; no node may get two findings (each candidate
 gets one verdict; a pass checks that every candidate got one). A pass that raises or breaks an
 invariant is dropped — the graph as it was before that pass goes on — and the report says why.
+A pass that leaves the graph as it was (every node the same objects, in order) needs none of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import Counter
 from typing import Any, Callable
 
@@ -58,19 +61,33 @@ def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
 
 def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
     report = Report()
-    current = _copy(gm)
-    make_local_writes_functional(current)  # the IR: in place only what another tensor sees
-    _clean(current)
+    with report.timed("prepare/copy"):
+        current = _copy(gm)
+    with report.timed("prepare/functional"):
+        make_local_writes_functional(current)  # the IR: in place only what another tensor sees
+    _clean(current, report, "prepare")
     for name, run in PASSES:
         if not getattr(options, name):
             continue
-        candidate = _copy(current)
-        fixed = _fixed_sizes(current)
+        with report.timed(f"{name}/copy"):
+            candidate = _copy(current)
+        with report.timed(f"{name}/checks"):
+            fixed = _fixed_sizes(current)
         try:
-            findings = run(candidate, options)
-            _clean(candidate)
-            _check_invariants(before=current, after=candidate)
-            _check_no_specialization(candidate, fixed)
+            with report.timed(f"{name}/diff"):
+                as_it_was = _snapshot(candidate)
+            with report.timed(f"{name}/rewrite"):
+                findings = run(candidate, options)
+            with report.timed(f"{name}/diff"):
+                kept = _unchanged_values(candidate, as_it_was)
+            if len(kept) < len(candidate.graph.nodes) or list(candidate.graph.nodes) != list(as_it_was):
+                _clean(candidate, report, name, kept)
+                with report.timed(f"{name}/checks"):
+                    _check_invariants(before=current, after=candidate)
+            else:  # the graph is as it was: current's checks hold for it
+                candidate = current
+            with report.timed(f"{name}/checks"):
+                _check_no_specialization(candidate, fixed)  # the shape environment is shared: even a refusal may pin
         except Exception as exc:
             report.errors.append(
                 f"pass {name} failed ({type(exc).__name__}: {exc}); the graph is kept as it was before {name}"
@@ -82,7 +99,8 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
             continue
         report.findings.extend(findings)
         current = candidate
-    report.matmul_flops = (graph_matmul_flops(gm), graph_matmul_flops(current))
+    with report.timed("report/flops"):
+        report.matmul_flops = (graph_matmul_flops(gm), graph_matmul_flops(current))
     return RewriteResult(current, report)
 
 
@@ -97,15 +115,49 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, gm.graph.__deepcopy__(), class_name=type(gm).__name__)
 
 
-def _clean(gm: fx.GraphModule) -> None:
-    gm.graph.eliminate_dead_code(is_impure)  # in-place ops are impure: KV writes survive
-    gm.graph.lint()
-    gm.recompile()
-    propagate_fake_tensors(gm)
+def _clean(gm: fx.GraphModule, report: Report, part: str, kept: frozenset[fx.Node] = frozenset()) -> None:
+    with report.timed(f"{part}/clean"):
+        gm.graph.eliminate_dead_code(is_impure)  # in-place ops are impure: KV writes survive
+        gm.graph.lint()
+        gm.recompile()
+    with report.timed(f"{part}/propagate"):
+        propagate_fake_tensors(gm, kept)
 
 
-def propagate_fake_tensors(gm: fx.GraphModule) -> None:
-    """Recompute every node's meta["val"] from the placeholders' fake tensors."""
+def _snapshot(gm: fx.GraphModule) -> dict[fx.Node, tuple[Any, ...]]:
+    """Per node, in graph order, what its meta["val"] was computed from: its op, target and
+    arguments, the value itself and, for a constant, the tensor it reads."""
+    return {n: _inputs_of_value(gm, n) for n in gm.graph.nodes}
+
+
+def _inputs_of_value(gm: fx.GraphModule, n: fx.Node) -> tuple[Any, ...]:
+    # fx gives a node a new args/kwargs tuple on every edit (replace_input_with too): identity tells
+    constant = _attribute(gm, n.target) if n.op == "get_attr" else None
+    return n.op, n.target, n.args, n.kwargs, n.meta.get("val"), constant
+
+
+def _attribute(gm: fx.GraphModule, target: str) -> Any:
+    try:
+        return operator.attrgetter(target)(gm)  # "a.b": a submodule's constant
+    except AttributeError:
+        return None
+
+
+def _unchanged_values(gm: fx.GraphModule, before: dict[fx.Node, tuple[Any, ...]]) -> frozenset[fx.Node]:
+    """The nodes whose meta["val"] still holds: each node as it was (the same objects), every
+    input of it too (transitively), so a value upstream of a pass's edits is not computed again."""
+    kept: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        was = before.get(n)
+        if was is not None and all(a is b for a, b in zip(was, _inputs_of_value(gm, n))) \
+                and all(i in kept for i in n.all_input_nodes):
+            kept.add(n)
+    return frozenset(kept)
+
+
+def propagate_fake_tensors(gm: fx.GraphModule, kept: frozenset[fx.Node] = frozenset()) -> None:
+    """Recompute every node's meta["val"] from the placeholders' fake tensors, except those of
+    the `kept` nodes, whose values (and their inputs') are unchanged."""
     inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     mode = detect_fake_mode(inputs)
     if mode is None:
@@ -113,16 +165,22 @@ def propagate_fake_tensors(gm: fx.GraphModule) -> None:
     # Fake ops run as Dynamo and make_fx run them: without the Python dispatcher, torch 2.11's
     # aten.linear kernel reads numel() of symbolic sizes, and fails.
     with enable_python_dispatcher():
-        _ConstantsAsFake(gm, mode).propagate_dont_convert_inputs(*inputs)
+        _ConstantsAsFake(gm, mode, kept).propagate_dont_convert_inputs(*inputs)
 
 
 class _ConstantsAsFake(FakeTensorProp):
+    def __init__(self, gm: fx.GraphModule, mode: Any, kept: frozenset[fx.Node]):
+        super().__init__(gm, mode)
+        self.kept = kept
+
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)
         # static: a constant has the sizes it has (a fresh symbol would be one Dynamo never saw)
         return self._mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
 
     def run_node(self, n: fx.Node) -> Any:
+        if n in self.kept and n.op not in ("placeholder", "output") and "val" in n.meta:
+            return n.meta["val"]
         # A scalar read from a tensor (`.item()` of a config float Dynamo made an input) keeps the
         # symbol capture gave it: run again, it would be a fresh unknown with nothing known of it.
         if n.target in SCALAR_READS and isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat)):

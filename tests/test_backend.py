@@ -2,6 +2,7 @@
 
 import logging
 import pathlib
+import re
 import subprocess
 import sys
 import warnings
@@ -13,6 +14,7 @@ import specpass
 from models.toy import ToyDraft
 from specpass import pipeline
 from specpass.graph import emit
+from specpass.loop.runtime import compiler
 from specpass.report import Finding
 
 aten = torch.ops.aten
@@ -147,7 +149,7 @@ def test_pass_failure_falls_back_with_one_warning(monkeypatch):
 def test_pipeline_failure_before_any_pass_falls_back(monkeypatch):
     """The pipeline's own preparation of the graph (clean-up, fake propagation) failing must not
     break the model either."""
-    def failing(gm):
+    def failing(gm, kept):
         raise RuntimeError("injected propagation failure")
 
     monkeypatch.setattr(pipeline, "propagate_fake_tensors", failing)
@@ -202,6 +204,20 @@ def test_report_is_logged(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="specpass"):
         _run(model, specpass.backend(handoff="eager"), tokens, positions)
     assert "[silu] rewrote silu: silu -> x * sigmoid(x)" in caplog.text
+    (record,) = [r for r in caplog.records if hasattr(r, "report")]
+    assert record.report.rewrites[0].where == "silu"
+    assert list(record.report.seconds)[0] == "capture" and "live_rows/rewrite" in record.report.seconds
+    assert "\n  specpass seconds: capture " in record.getMessage()
+
+
+def test_compiling_a_step_logs_its_name_and_seconds(caplog):
+    wrap = compiler(specpass.backend(handoff="eager"), mode=None)
+    step = wrap(lambda x: torch.softmax(x @ x.T, -1).max(-1).indices, "decode_round")
+    with caplog.at_level(logging.INFO, logger="specpass"):
+        step(torch.randn(3, 4))
+    messages = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(r"specpass: compiling decode_round \(\d+ nodes\)", messages[0]), messages
+    assert re.fullmatch(r"specpass: compiled decode_round in \d+\.\d s", messages[-1]), messages
 
 
 def test_specpass_log_prints_report_to_stderr():

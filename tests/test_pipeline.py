@@ -1,7 +1,10 @@
 """rewrite/explain plumbing: copies, switches, invariants the pipeline enforces, the report."""
 
+import unittest.mock
+
 import expecttest
 import torch
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import specpass
 from models.toy import ToyDraft
@@ -42,6 +45,20 @@ def swap_kv_buffers(gm, options):
     k_write, v_write = [n for n in gm.graph.nodes if n.target is aten.index_copy_.default][:2]
     v_write.args = (k_write.args[0], *v_write.args[1:])
     return [Finding("swap", v_write.name, True, "bad")]
+
+
+def refuse_silu(gm, options):
+    """Looks at silu and leaves the graph alone."""
+    (silu,) = gm.graph.find_nodes(op="call_function", target=aten.silu.default)
+    return [Finding("refuse", silu.name, False, "not worth it")]
+
+
+def retarget_lm_head(gm, options):
+    """Breaks the graph without a new node or argument: the lm_head's linear becomes a matmul of the
+    same operands ([2, 4, 32] @ [64, 32] does not compose); only re-running that node finds out."""
+    lm_head = [n for n in gm.graph.nodes if n.target is aten.linear.default][-1]
+    lm_head.target = aten.matmul.default
+    return [Finding("retarget", lm_head.name, True, "bad")]
 
 
 class TestPipeline(expecttest.TestCase):
@@ -87,6 +104,59 @@ class TestPipeline(expecttest.TestCase):
             self.assertIn(message, result.report.errors[0])
             self.assertEqual(graph_str(result.graph_module), graph_str(gm))
 
+    def test_a_pass_that_leaves_the_graph_alone_is_not_propagated_again(self):
+        propagated = []
+        pipeline.PASSES = [("live_rows", refuse_silu)]
+        with unittest.mock.patch.object(pipeline, "propagate_fake_tensors",
+                                        side_effect=lambda gm, *kept: propagated.append(gm)):
+            result = specpass.rewrite(_captured())
+        self.assertEqual(len(propagated), 1)  # the preparation's
+        self.assertEqual([f.where for f in result.report.refusals], ["silu"])
+        self.assertNotIn("live_rows/propagate", result.report.seconds)
+        pipeline.PASSES = [("live_rows", silu_to_sigmoid)]
+        propagated.clear()
+        with unittest.mock.patch.object(pipeline, "propagate_fake_tensors",
+                                        side_effect=lambda gm, *kept: propagated.append(gm)):
+            specpass.rewrite(_captured())
+        self.assertEqual(len(propagated), 2)
+
+    def test_a_rewrite_propagates_what_it_changed_and_everything_after_it(self):
+        computed = []
+        run_node = FakeTensorProp.run_node
+
+        def spy(interpreter, node):
+            computed.append(node.name)
+            return run_node(interpreter, node)
+
+        def propagate(gm, *kept):
+            computed.append("--")  # a new propagation
+            propagate_fake_tensors(gm, *kept)
+
+        propagate_fake_tensors = pipeline.propagate_fake_tensors
+        pipeline.PASSES = [("live_rows", silu_to_sigmoid)]
+        with unittest.mock.patch.object(FakeTensorProp, "run_node", spy), \
+                unittest.mock.patch.object(pipeline, "propagate_fake_tensors", propagate):
+            result = specpass.rewrite(_captured())
+        after = result.graph_module.graph
+        (mul,) = after.find_nodes(op="call_function", target=aten.mul.Tensor)
+        downstream, frontier = set(), [mul.args[1], mul]  # sigmoid, mul
+        while frontier:
+            node = frontier.pop()
+            if node.name not in downstream:
+                downstream.add(node.name)
+                frontier.extend(node.users)
+        placeholders = [n.name for n in after.find_nodes(op="placeholder")]
+        self.assertEqual(computed.count("--"), 2)  # the preparation's, the pass's
+        self.assertEqual(sorted(computed[computed.index("--", 1) + 1:]), sorted(placeholders + list(downstream)))
+
+    def test_a_pass_that_edits_a_node_in_place_is_propagated_and_dropped(self):
+        pipeline.PASSES = [("live_rows", retarget_lm_head)]
+        gm = _captured()
+        result = specpass.rewrite(gm)
+        self.assertEqual(result.report.findings, [])
+        self.assertIn("pass live_rows failed", result.report.errors[0])
+        self.assertEqual(graph_str(result.graph_module), graph_str(gm))
+
     def test_created_nodes_carry_true_fake_values(self):
         pipeline.PASSES = [("live_rows", silu_to_sigmoid)]
         result = specpass.rewrite(_captured())
@@ -114,6 +184,23 @@ specpass: 2 rewrite(s), 1 left alone; graph matmul FLOPs 180K -> 180K
   [silu] rewrote silu: silu -> x * sigmoid(x)
   [live_rows] left alone select: index depends on the rows it selects
   [live_rows] rewrote select_1: gather moved (rows 8 -> 2; matmul FLOPs 1.2M -> 300K)""")
+
+    def test_report_times_each_enabled_pass_and_no_disabled_one(self):
+        pipeline.PASSES = [("live_rows", silu_to_sigmoid), ("argmax", silu_to_sigmoid)]
+        seconds = specpass.rewrite(_captured(), argmax=False).report.seconds
+        steps = ("copy", "rewrite", "clean", "propagate", "checks")
+        for part in [f"prepare/{s}" for s in ("copy", "functional", "clean", "propagate")] + \
+                [f"live_rows/{s}" for s in steps] + ["report/flops"]:
+            self.assertIn(part, seconds)
+        self.assertEqual([part for part in seconds if part.startswith("argmax")], [])
+        for part, value in seconds.items():
+            self.assertIsInstance(value, float, part)
+            self.assertGreaterEqual(value, 0.0, part)
+
+    def test_timing_text(self):
+        report = Report(seconds={"capture": 0.25, "live_rows/copy": 0.001, "live_rows/rewrite": 0.0104})
+        self.assertExpectedInline(report.timing(), """\
+specpass seconds: capture 0.250; live_rows 0.011 (copy 0.001, rewrite 0.010)""")
 
     def test_explain_without_passes_reports_nothing_fired(self):
         pipeline.PASSES = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import re
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -25,7 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from specpass.compile_backend import backend as specpass_backend
+from specpass.compile_backend import backend as specpass_backend, step_name
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
 from specpass.loop import Decoder, Metrics, TreeShape, round_shape
 from specpass.loop.shapes import aligned
@@ -256,7 +255,7 @@ class _Recorder:
             log.removeHandler(handler)
             log.setLevel(level)
         lines = [line.strip() for r in records for line in r.splitlines() if "] rewrote " in line]
-        self.fired.setdefault(_step(gm), []).extend(lines)
+        self.fired.setdefault(step_name(gm), []).extend(lines)
         return compiled
 
 
@@ -267,12 +266,3 @@ class _ListHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record.getMessage())
-
-
-def _step(gm: torch.fx.GraphModule) -> str:
-    """The compiled function's name: the outermost frame of any node's stack trace."""
-    for node in gm.graph.nodes:
-        frames = re.findall(r", in (\w+)", node.meta.get("stack_trace") or "")
-        if frames:
-            return frames[0]
-    return f"graph {len(gm.graph.nodes)} nodes"

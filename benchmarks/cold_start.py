@@ -1,0 +1,221 @@
+"""Cold start: the first call of `specpass.generate`, cut into the parts of compilation (issue 35).
+
+    python -m benchmarks.cold_start --device cpu --threads 1 --out cold_start.json
+    python -m benchmarks.cold_start --device cuda --dtype bfloat16 --out cold_start_gpu.json
+
+The shipped pair loaded by transformers (checkpoints/stdlib-llama and its standalone draft
+stdlib-llama-draft), greedy, `--prompts` held-out prompts left-padded, `--new-tokens` per request, K
+`--k`; the steps compiled apart on a CPU, as one fused round on a GPU (`--round`; generate's
+defaults, CUDA graphs on a GPU). Each compiler ("specpass", then plain "inductor") runs in a fresh
+process with an empty Inductor cache, as a user's first run: one generate (the first call: it
+compiles every step), then the same generate again (the second call).
+
+The parts come from torch's own compile timers (`dynamo_timed` regions, summed over every graph)
+and specpass's `Report.seconds` (read from its log records), so that they add up to the first call:
+  Dynamo            tracing bytecode and building guards (compile_inner less the backend)
+  specpass ...      capturing the IR, then each pass: copy, rewrite, clean, fake-tensor propagation, checks
+  backend, rest     the backend's time outside the parts named here (Inductor's pre-grad passes)
+  AOTAutograd       functionalization and metadata (create_aot_dispatcher_function less Inductor's compiler)
+  Inductor passes   joint-graph and post-grad passes (the compiler less lowering and code generation)
+  Inductor lowering GraphLowering.run
+  Inductor codegen  GraphLowering.codegen (scheduling, fusion, the kernels' source)
+  kernels           compiling and loading the generated module (compile_to_module less codegen); the
+                    C++/Triton compiler processes, in part inside codegen, are given apart ("compiler calls")
+  CUDA-graph capture  recording the graphs on the first replay (GPU)
+  outside compile   the first call's eager work: the generate itself, the model runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks import harness
+
+CHECKPOINTS = harness.ROOT / "checkpoints"
+TARGET, DRAFT = CHECKPOINTS / "stdlib-llama", CHECKPOINTS / "stdlib-llama-draft"
+COMPILERS = ("specpass", "inductor")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ColdRow(harness.Row):
+    """One compiler's first and second call; `parts`: seconds per part of the first call (see the module
+    docstring), `specpass`: specpass's own seconds per report part, summed over the compiled graphs."""
+
+    first_s: float
+    first_cpu_s: float  # the first call's CPU time, this process's and its children's (the C++ compiler's)
+    second_s: float
+    graphs: int
+    parts: dict[str, float]
+    specpass: dict[str, float]
+    compiler_calls_s: float
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--round", choices=["fused", "apart"], help="default: fused on a GPU, apart on a CPU")
+    parser.add_argument("--compilers", nargs="+", choices=COMPILERS, default=list(COMPILERS))
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", choices=COMPILERS, help=argparse.SUPPRESS)  # one compiler, in this process
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(first_and_second_call(args, args.child)))
+        return 0
+    argv = argv if argv is not None else sys.argv[1:]
+    command = " ".join(["python -m benchmarks.cold_start", *argv])
+    rows, save = [], harness.saver(args.out)
+    for compiler in args.compilers:
+        rows.append({**in_fresh_process(argv, compiler), "command": command})
+        save(rows)
+    print(table(rows))
+    return 0
+
+
+def in_fresh_process(argv: list[str], compiler: str) -> dict:
+    """One compiler's row, measured in a new process with an empty Inductor cache (a first run's)."""
+    with tempfile.TemporaryDirectory(prefix="cold_start_") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        done = subprocess.run([sys.executable, "-m", "benchmarks.cold_start", *argv, "--child", compiler],
+                              cwd=harness.ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def first_and_second_call(args: argparse.Namespace, compiler: str) -> dict:
+    import torch
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    import specpass
+    from models.text import encode, load_prompts
+
+    hf_logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+
+    def hf(path):
+        return LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+
+    model, draft = hf(TARGET), hf(DRAFT)
+    prompts = [encode(text) for text in load_prompts()[: args.prompts]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    fused = None if args.round is None else args.round == "fused"
+    ours = SpecpassSeconds()
+
+    def call() -> float:
+        start = harness.now(device)
+        specpass.generate(model, ids, attention_mask=mask, assistant_model=draft, max_new_tokens=args.new_tokens,
+                          num_assistant_tokens=args.k, compile=compiler, fused_round=fused)
+        return harness.now(device) - start
+
+    cpu = cpu_seconds()
+    first = call()
+    first_cpu = cpu_seconds() - cpu
+    torch_seconds = harness.compile_seconds()
+    second = call()
+    env = harness.environment(device, dtype, threads=torch.get_num_threads())
+    return ColdRow(env=env, variant=compiler, first_s=first, first_cpu_s=first_cpu, second_s=second,
+                   graphs=harness.graphs_compiled(),                   parts=parts(first, torch_seconds, ours.by_part),
+                   specpass=dict(ours.by_part), compiler_calls_s=torch_seconds.get("compile_file", 0.0)).asdict()
+
+
+def cpu_seconds() -> float:
+    """User and system CPU seconds of this process and its finished children: unlike wall time, not
+    stretched by other work on a shared machine."""
+    return sum(sum(resource.getrusage(who)[:2]) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+
+
+class SpecpassSeconds(logging.Handler):
+    """specpass's `Report.seconds` of every graph it compiles from here on, summed per part."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.by_part: dict[str, float] = {}
+        logger = logging.getLogger("specpass")
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        report = getattr(record, "report", None)
+        for part, seconds in (report.seconds if report is not None else {}).items():
+            self.by_part[part] = self.by_part.get(part, 0.0) + seconds
+
+
+def parts(first: float, torch_seconds: dict[str, float], ours: dict[str, float]) -> dict[str, float]:
+    """The first call's seconds cut into parts that add up to it (see the module docstring)."""
+    t = lambda name: torch_seconds.get(name, 0.0)  # noqa: E731
+    per_pass: dict[str, float] = {}
+    for part, seconds in ours.items():
+        name = part.partition("/")[0]
+        per_pass[f"specpass {name}"] = per_pass.get(f"specpass {name}", 0.0) + seconds
+    inductor = t("compile_fx.<locals>.fw_compiler_base")
+    cudagraphs = t("CUDAGraphNode.record")
+    return {
+        "Dynamo": t("_compile.compile_inner") - t("OutputGraph.call_user_compiler"),
+        **per_pass,
+        "backend, rest": t("OutputGraph.call_user_compiler") - sum(ours.values()) - t("create_aot_dispatcher_function"),
+        "AOTAutograd": t("create_aot_dispatcher_function") - inductor,
+        "Inductor passes": inductor - t("GraphLowering.run") - t("GraphLowering.compile_to_module"),
+        "Inductor lowering": t("GraphLowering.run"),
+        "Inductor codegen": t("GraphLowering.codegen"),
+        "kernels": t("GraphLowering.compile_to_module") - t("GraphLowering.codegen"),
+        "CUDA-graph capture": cudagraphs,
+        "outside compile": first - t("_compile.compile_inner") - cudagraphs,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    """Seconds per part, one column per compiler; then the first and second calls and specpass's share."""
+    names = list(dict.fromkeys(name for row in rows for name in row["parts"]))
+    head = f"| part | {' | '.join(row['variant'] + ' s' for row in rows)} |"
+    lines = [head, "|---" * (len(rows) + 1) + "|"]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{row['parts'].get(name, 0.0):.2f}" for row in rows) + " |")
+    for label, key in (("compiler calls (in kernels, codegen)", "compiler_calls_s"), ("**first call**", "first_s"),
+                       ("first call, CPU time", "first_cpu_s"),
+                       ("second call", "second_s"), ("graphs compiled", "graphs")):
+        lines.append(f"| {label} | " + " | ".join(_cell(row[key]) for row in rows) + " |")
+    by_variant = {row["variant"]: row for row in rows}
+    if set(by_variant) == set(COMPILERS):
+        ours, plain = by_variant["specpass"], by_variant["inductor"]
+        own = sum(ours["specpass"].values())
+        lines.append(f"\nspecpass first call {ours['first_s']:.1f} s vs plain Inductor {plain['first_s']:.1f} s "
+                     f"({ours['first_s'] / plain['first_s'] - 1:+.1%}); specpass's own work {own:.1f} s "
+                     f"({own / plain['first_s']:.1%} of plain Inductor's first call)")
+        steps: dict[str, float] = {}
+        for part, seconds in ours["specpass"].items():
+            step = part.partition("/")[2] or part
+            steps[step] = steps.get(step, 0.0) + seconds
+        lines.append("specpass's own work by step, all passes: "
+                     + ", ".join(f"{step} {s:.2f}" for step, s in sorted(steps.items(), key=lambda kv: -kv[1])))
+    env = rows[0]
+    lines.append(f"{env['device']}, torch {env['torch']}, {env['dtype']}, {env['threads']} thread(s); {env['command']}")
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
