@@ -116,7 +116,7 @@ def test_tune_k_chooses_plain_chain_or_tree_by_tokens_per_ms(target, monkeypatch
     costs = {1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
     per_depth = {tree: [0.9, 0.8, 0.7]}  # 3.4 tokens per round
 
-    def round_ms(self, prompts, short, long, repeats=3):
+    def round_ms(self, prompts, short, long, repeats=3, sampling=None):
         return costs[self.k], per_depth.get(self.k, [])
 
     monkeypatch.setattr(Decoder, "round_ms", round_ms)
