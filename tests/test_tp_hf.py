@@ -5,17 +5,15 @@ and on a left-padded ragged batch; sampled with a seed, the single-process specp
 through specpass with its rewrites (the passes see the local shards: `specpass.tensor_parallel.
 localize`); the user's model left as it was. A style localize does not know is refused."""
 
-import json
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specpass
 from specpass.tensor_parallel import localize
+from tests.test_tp_loop import gloo_rank, run_ranks, save_rank
 
 PROMPTS = [[11, 40, 3, 5], [6, 5], [35, 8, 9], [7, 7, 8]]  # ragged; the first decodes 10 tokens without an EOS
 NEW = 10
@@ -52,11 +50,9 @@ def ours(model, prompts, **kw):
     return out.sequences[:, ids.shape[1]:].tolist(), out.rewrites
 
 
-def _worker(rank, path, out):
+def _worker(rank, path):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
-    dist.init_process_group("gloo", init_method=f"file://{path}/store", rank=rank, world_size=2)
-    torch.set_num_threads(1)  # two processes on two cores
-    try:
+    with gloo_rank(rank, path):
         model = LlamaForCausalLM.from_pretrained(f"{path}/target", tp_plan="auto", dtype=torch.float32).eval()
         draft = LlamaForCausalLM.from_pretrained(f"{path}/draft", dtype=torch.float32).eval()
         sharded = type(model.model.layers[0].self_attn.q_proj.weight).__name__
@@ -76,10 +72,7 @@ def _worker(rank, path, out):
             got["unknown style"] = None
         except ValueError as exc:
             got["unknown style"] = str(exc)
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(got, f)
-    finally:
-        dist.destroy_process_group()
+        save_rank(path, rank, got)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +84,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ranks(pair):
-    mp.spawn(_worker, args=(str(pair), str(pair / "out")), nprocs=2, join=True)
-    return [json.loads((pair / f"out.{rank}").read_text()) for rank in range(2)]
+    return run_ranks(_worker, pair)
 
 
 @pytest.fixture(scope="module")

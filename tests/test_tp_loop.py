@@ -6,6 +6,7 @@ prompts or settings, a drafter whose logits are its rank's vocabulary shard, ran
 mid-run, each a clear error on every rank. A group of one decodes as one process. The plan's
 refusals run in this process (no group needed)."""
 
+import contextlib
 import dataclasses
 import json
 
@@ -59,12 +60,31 @@ def emit_differently(dec, rank):
     dec._bound[dec.k] = dataclasses.replace(bound, round=round_)
 
 
-def _worker(rank, store, out):
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+@contextlib.contextmanager
+def gloo_rank(rank, path):
+    """This process as rank `rank` of two gloo ranks meeting at `path` -> the group of both."""
+    dist.init_process_group("gloo", init_method=f"file://{path}/store", rank=rank, world_size=2)
     torch.set_num_threads(1)  # two processes on two cores
-    group = dist.group.WORLD
-    alone = [dist.new_group([r]) for r in range(2)][rank]  # every rank makes every group
     try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(worker, path):
+    """worker(rank, path) in two processes, each saving what it got with `save_rank` -> [rank 0's, rank 1's]."""
+    mp.spawn(worker, args=(str(path),), nprocs=2, join=True)
+    return [json.loads((path / f"out.{rank}").read_text()) for rank in range(2)]
+
+
+def save_rank(path, rank, got):
+    with open(f"{path}/out.{rank}", "w") as f:
+        json.dump(got, f)
+
+
+def _worker(rank, path):
+    with gloo_rank(rank, path) as group:
+        alone = [dist.new_group([r]) for r in range(2)][rank]  # every rank makes every group
         target, head = models()
         tp_target, tp_head = tensor_parallel(target, group), tensor_parallel(head, group)
         got = {
@@ -89,18 +109,13 @@ def _worker(rank, store, out):
                           group=group, check_ranks=check_ranks)
             emit_differently(dec, rank)
             got[name] = error_of(lambda: dec.generate(PROMPTS, NEW))
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(got, f)
-    finally:
-        dist.destroy_process_group()
+        save_rank(path, rank, got)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """What each of the two ranks returned."""
-    path = tmp_path_factory.mktemp("tp")
-    mp.spawn(_worker, args=(str(path / "store"), str(path / "out")), nprocs=2, join=True)
-    return [json.loads((path / f"out.{rank}").read_text()) for rank in range(2)]
+    return run_ranks(_worker, tmp_path_factory.mktemp("tp"))
 
 
 @pytest.fixture(scope="module")
