@@ -36,8 +36,8 @@ def tensor_parallel(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     """A copy of `model` holding this rank's shard of every Attention, SwiGLU and the lm_head
     (`zoo_plan`), on plain tensors (`parallelize`)."""
     tp = copy.deepcopy(model)
-    plan = zoo_plan(tp, dist.get_world_size(group))
     world = dist.get_world_size(group)
+    plan = zoo_plan(tp, world)
     for module in tp.modules():
         if isinstance(module, Attention):
             module.n_heads //= world  # the reshapes to heads read these: this rank's heads
