@@ -15,6 +15,7 @@ Deterministic for a given seed, device and dtype.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -67,11 +68,17 @@ CONFIGS: dict[str, tuple[type[nn.Module], object]] = {
     "llama3-8b": (Llama, LlamaConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128)),
+    "llama3-70b": (Llama, LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=128)),
     "llama3.2-1b": (Llama, LlamaConfig(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
         num_key_value_heads=8, head_dim=64, tie_word_embeddings=True)),
     "llama3-8b-eagle3": (Eagle3Head, Eagle3Config(
         vocab_size=128256, draft_vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128)),
+    "llama3-70b-eagle3": (Eagle3Head, Eagle3Config(
+        vocab_size=128256, draft_vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
         num_key_value_heads=8, head_dim=128)),
     "llama3-8b-peagle3": (ParallelEagle3Head, ParallelEagle3Config(
         vocab_size=128256, draft_vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -101,8 +108,13 @@ def config(name: str):
     return dataclasses.replace(CONFIGS[name][1])
 
 
-def build(name_or_config, seed: int = 0, device=None, dtype: torch.dtype | None = None) -> nn.Module:
-    """A model with deterministic random weights: a zoo name, or a config of a zoo model class."""
+def build(name_or_config, seed: int = 0, device=None, dtype: torch.dtype | None = None,
+          shard: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+    """A model with deterministic random weights: a zoo name, or a config of a zoo model class.
+
+    shard: applied to the model while it is on the meta device, before any weight is allocated
+    (`lambda m: models.tp.tensor_parallel(m, group)`: a 70B target's shard, never the whole model).
+    Every rank then draws the same weights for its shard's shapes: replicated weights agree."""
     if isinstance(name_or_config, str):
         cls, cfg = CONFIGS[name_or_config][0], config(name_or_config)
     else:
@@ -111,6 +123,8 @@ def build(name_or_config, seed: int = 0, device=None, dtype: torch.dtype | None 
                NextNConfig: NextN}[type(cfg)]
     with torch.device("meta"):
         model = cls(cfg)
+    if shard is not None:
+        model = shard(model)
     _, aliases = checkpoint_tensors(model)  # tied weights, which to_empty unties
     if dtype is not None:
         model = model.to(dtype)  # floating tensors only; free on the meta device

@@ -31,6 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the old name before torch 2.13
+
 # transformers' style names -> what their output is: local shard, all-reduced, gathered
 _HF_STYLES = {"colwise": "local", "packed_colwise": "local", "rowwise": "reduced", "packed_rowwise": "reduced",
               "colwise_gather_output": "gathered"}
@@ -45,6 +47,8 @@ def parallelize(model: nn.Module, group: dist.ProcessGroup, plan: dict[str, Para
     for name, style in plan.items():
         _check_style(name, model.get_submodule(name), style)
     device = next(model.parameters()).device.type
+    if device == "meta":  # a model built on the meta device, materialised after (its shard alone)
+        device = "cuda" if "nccl" in dist.get_backend(group) else "cpu"
     parallelize_module(model, DeviceMesh.from_group(group, device), plan)
     for name, style in plan.items():
         module = model.get_submodule(name)
@@ -106,7 +110,7 @@ def gather_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     moved next to the last: the collective runs along no axis of the input (funcol's gather_dim=-1,
     which DTensor's Shard(-1) -> Replicate runs, gathers along the request axis and re-cats, which a
     live-row selection per request cannot pass: docs/passes.md)."""
-    gathered = funcol.all_gather_tensor(x.unsqueeze(0), 0, group)  # [world, ..., N]
+    gathered = _all_gather(x.unsqueeze(0), 0, group)  # [world, ..., N]
     return gathered.movedim(0, -2).flatten(-2)
 
 

@@ -255,6 +255,26 @@ def test_collective_along_a_selected_axis_is_left_alone(group, step, select, rea
         assert wait.args[0].target.namespace == "_c10d_functional"  # it waits for the collective, not a gather
 
 
+def test_a_shard_is_built_without_the_whole_model(group):
+    """zoo.build(shard=): the plan runs on the meta device, then the shard alone is materialised (a 70B
+    target at TP 4 never allocates its 140 GB): the shapes of sharding the built model."""
+    seen = []
+
+    def shard(model):
+        seen.extend(p.device.type for p in model.parameters())
+        return tensor_parallel(model, group)
+
+    for name in ("tiny-llama", "tiny-llama-eagle3"):
+        seen.clear()
+        built = zoo.build(name, shard=shard)
+        expected = dict(tensor_parallel(zoo.build(name), group).named_parameters())
+        assert set(seen) == {"meta"}
+        got = dict(built.named_parameters())
+        assert {n: p.shape for n, p in got.items()} == {n: p.shape for n, p in expected.items()}
+        assert {p.device.type for p in got.values()} == {"cpu"} and all(p.isfinite().all() for p in got.values())
+        assert got["lm_head.weight"].shape[0] * 2 == zoo.build(name).lm_head.weight.shape[0]
+
+
 # --- numerics: 2 processes
 
 

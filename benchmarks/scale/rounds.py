@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import specpass
 from benchmarks import harness
 from models import zoo
 from models.drafters import adapt
+from models.tp import tensor_parallel
 from specpass.loop import Decoder, TreeShape
 
 HEADS = {"eagle3": "eagle3", "parallel": "peagle3"}  # --drafter -> the zoo's head, llama3-8b-<this>
@@ -34,17 +37,21 @@ class RoundRow(harness.Row):
 
 
 class Bench:
-    """The target and the head (random weights, built once and shared by every variant's decoder)."""
+    """The target and the head (random weights, built once and shared by every variant's decoder).
 
-    def __init__(self, args):
-        self.args, self.device = args, torch.device(args.device)
+    base: the zoo's target (its head: `base`-eagle3); group: a process group to shard both over
+    (`models.tp.tensor_parallel`, built on the meta device: a rank allocates its shard alone)."""
+
+    def __init__(self, args, base: str = "llama3-8b", group: dist.ProcessGroup | None = None):
+        self.args, self.device, self.group = args, torch.device(args.device), group
         dtype = torch.float32 if args.quick else torch.bfloat16
-        base = "tiny-llama" if args.quick else "llama3-8b"
-        self.target = zoo.build(base, device=self.device, dtype=dtype)
+        base = "tiny-llama" if args.quick else base
+        shard = None if group is None else functools.partial(tensor_parallel, group=group)
+        self.target = zoo.build(base, device=self.device, dtype=dtype, shard=shard)
         head = zoo.config(f"{base}-{HEADS[args.drafter]}")
         if args.head_layers:
             head = dataclasses.replace(head, num_hidden_layers=args.head_layers)
-        self.head = zoo.build(head, device=self.device, dtype=dtype)
+        self.head = zoo.build(head, device=self.device, dtype=dtype, shard=shard)
         self.head.embed_tokens = self.target.model.embed_tokens  # EAGLE-3 uses the target's, by reference
         self.mode = "reduce-overhead" if self.device.type == "cuda" else None
         harness.dynamo_limits(1024)
@@ -59,7 +66,8 @@ class Bench:
         specpass options."""
         drafter = adapt(self.head) if k else None
         return Decoder(self.target, drafter, k=k, max_batch=bs, max_len=max_len, compile=self.compiler(backend),
-                       mode=self.mode, fused_round=fused, compile_prefill=False)  # its time cancels out
+                       mode=self.mode, fused_round=fused, compile_prefill=False,  # its time cancels out
+                       group=self.group)
 
     def compiler(self, backend: str | dict[str, Any]):
         options = backend if isinstance(backend, dict) else {}
