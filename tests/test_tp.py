@@ -139,6 +139,18 @@ specpass: 1 rewrite(s), 0 left alone; graph matmul FLOPs 6.53K -> 2.21K, 2.96x f
         assert before == {"all_reduce": 2 * B * T * 64 * 4, "all_gather_into_tensor": B * T * 96 * 4}
         assert after == {name: size // T for name, size in before.items()}
 
+    def test_one_request_collectives_carry_its_live_row(self):
+        """bs 1: the hidden state's gather (x[arange(1), live]) and the logits' (read through the
+        lm_head's gathered axes) are one selection, so both move above the collectives."""
+        model = tensor_parallel(zoo.build("tiny-llama-eagle3"), self.group)
+        model.setup_caches(1, S)
+        tokens, positions, hidden, live = small_step(model)
+        gm = specpass.capture(model.catch_up, tokens[:1], positions[:1], hidden[:1], live[:1])
+        result = specpass.rewrite(gm)
+        assert collectives(result.graph_module) == [
+            ("all_reduce", [1, 1, 64]), ("all_reduce", [1, 1, 64]), ("all_gather_into_tensor", [2, 1, 1, 48])]
+        assert str(result.report).startswith("specpass: 1 rewrite(s), 0 left alone")
+
 
 # --- one collective after a projection, in each spelling; then the live rows
 

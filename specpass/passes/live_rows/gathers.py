@@ -43,7 +43,12 @@ def read_gather(prog: Program, node: fx.Node) -> Candidate | None:
         return Candidate(x, Flat((node.args[1] % len(shape),), prog.index_op(aten.reshape.default, ids, [-1])))
     read = {aten.index.Tensor: _advanced_index, aten.gather.default: _gather}.get(target)
     spec = read(prog, node, shape) if read is not None else None
-    return None if spec is None else Candidate(x, canonical(spec, shape))
+    if spec is None:
+        return None
+    # One request (`x[arange(1), live]`): the flat ids a reshape reads the same rows as, so that
+    # this gather and one reached through a reshape (a gathered lm_head's logits) meet as one selection.
+    spec = canonical(spec, shape).normalize(prog, shape)
+    return None if spec is None else Candidate(x, spec)
 
 
 def as_static(node: fx.Node) -> Static | None:
