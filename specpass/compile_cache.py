@@ -13,9 +13,10 @@ environment's guards), the options, grad mode, specpass's source (every .py file
 the row rules registered at run time, and torch's version.
 
 An entry is one file per key, written by `torch.save` with plain values and tensors only and read
-with `weights_only=True` (no pickled objects): the rewritten graph's Python source, its tensor
-constants, a digest of its node structure and the report. The graph is rebuilt from its source, as
-torch.fx unpickles a GraphModule, and must have the stored structure. An entry that cannot be read,
+with `weights_only=True` (no pickled objects): the rewritten graph as a list of nodes (op, name,
+target, arguments) in JSON, its tensor constants, a digest of its structure and the report. The
+graph is rebuilt node by node (nothing in an entry is run) and must have the stored structure;
+a graph an entry cannot hold (a higher-order op's submodule) is not stored. An entry that cannot be read,
 was written for another key, fails its digest or does not rebuild the same graph is never used: the
 caller warns and rewrites again, and the entry is replaced.
 """
@@ -113,12 +114,9 @@ def load(entry_key: str) -> RewriteResult | None:
     if entry.get("digest") != _digest(entry):
         raise UnusableEntry(f"{path} fails its digest (changed after it was written)")
     try:
-        graph_module = _rebuild(entry["import_block"], entry["code"], entry["constants"], entry["names"],
-                                entry["class_name"], entry["tracer"])
+        graph_module = _rebuild(entry)
     except Exception as exc:
-        raise UnusableEntry(f"{path} holds a graph that does not rebuild ({type(exc).__name__}: {exc})") from exc
-    if _structure(graph_module) != entry["structure"]:
-        raise UnusableEntry(f"{path} rebuilds a graph other than the one stored")
+        raise UnusableEntry(f"{path} holds a graph that does not rebuild ({exc})") from exc
     report = _report_from_json(entry["report"])
     report.notes.append(f"loaded from specpass's compile cache ({path})")
     return RewriteResult(graph_module, report)
@@ -126,26 +124,26 @@ def load(entry_key: str) -> RewriteResult | None:
 
 def store(entry_key: str, result: RewriteResult) -> bool:
     """Write the rewrite under this key (atomically: a reader sees the old entry or the new one).
-    False when the graph cannot be stored: it would not rebuild from its source as it is."""
+    False when the graph holds what an entry cannot (a submodule, an op outside torch.ops)."""
     graph_module = result.graph_module
+    try:
+        nodes = json.dumps([_node_to_json(n) for n in graph_module.graph.nodes])
+    except _NotStorable:
+        return False
     constants = {n.target: getattr(graph_module, n.target) for n in graph_module.graph.find_nodes(op="get_attr")}
     if not all(isinstance(c, torch.Tensor) and "." not in name for name, c in constants.items()):
         return False
-    _, (body, import_block) = graph_module.__reduce__()  # torch.fx's own serialization: source and imports
-    code = body.get("_code") or body["code"]
-    constants = {name: c.detach() for name, c in constants.items()}
-    structure, names = _structure(graph_module), [n.name for n in graph_module.graph.nodes]
-    tracer = _target_name(graph_module._tracer_cls) if getattr(graph_module, "_tracer_cls", None) else None
+    tracer = getattr(graph_module, "_tracer_cls", None)
     try:
-        rebuilt = _rebuild(import_block, code, constants, names, type(graph_module).__name__, tracer)
-        if _structure(rebuilt) != structure:
-            return False
-    except Exception:
-        return False  # ops the source cannot express (a higher-order op's submodule)
-    entry = {"format": FORMAT, "key": entry_key, "import_block": import_block, "code": code, "constants": constants,
-             "names": names, "class_name": type(graph_module).__name__,
-             "tracer": tracer, "structure": structure, "report": _report_to_json(result.report)}
+        tracer = _target_to_json(tracer) if tracer is not None else None
+    except _NotStorable:
+        return False
+    entry = {"format": FORMAT, "key": entry_key, "nodes": nodes, "constants": {k: c.detach() for k, c in constants.items()},
+             "class_name": type(graph_module).__name__, "tracer": tracer,
+             "structure": _structure(graph_module), "report": _report_to_json(result.report)}
     entry["digest"] = _digest(entry)
+    if _structure(_rebuild(entry)) != entry["structure"]:  # what the next process would get
+        return False
     path = _path(entry_key)
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
@@ -170,8 +168,7 @@ def _path(entry_key: str) -> Path:
 def _digest(entry: dict[str, Any]) -> str:
     """Of every field but the digest itself: a changed field (not only a torn file) is caught."""
     digest = hashlib.sha256()
-    for name in ("format", "key", "import_block", "code", "names", "class_name", "tracer", "structure",
-                 "report"):
+    for name in ("format", "key", "nodes", "class_name", "tracer", "structure", "report"):
         digest.update(repr(entry.get(name)).encode())
         digest.update(b"\0")
     for name, constant in sorted(entry.get("constants", {}).items()):
@@ -179,36 +176,111 @@ def _digest(entry: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def _rebuild(import_block: str, code: str, constants: dict[str, torch.Tensor], names: list[str],
-             class_name: str, tracer: str | None) -> fx.GraphModule:
-    """The graph from its source, as torch.fx unpickles a GraphModule (run the source, trace it), with
-    its nodes' own names, class name and tracer class: Inductor then gets the module it got when the
-    entry was written, and torch's caches, keyed on its pickle, hit."""
+def _rebuild(entry: dict[str, Any]) -> fx.GraphModule:
+    """The graph, node by node, with its nodes' names, class name and tracer class: Inductor gets the
+    module it got when the entry was written, and torch's caches (keyed on its pickle) hit. Nothing in
+    an entry is run: ops are looked up in torch.ops, functions in torch, operator and math only."""
     holder = torch.nn.Module()
-    for name, constant in constants.items():
+    for name, constant in entry["constants"].items():
         holder.register_buffer(name, constant)
-    traced = fx.graph_module.reduce_graph_module({**holder.__dict__, "_code": code}, import_block)
-    if len(traced.graph.nodes) != len(names):
-        raise RuntimeError(f"{len(traced.graph.nodes)} nodes traced, {len(names)} stored")
-    graph, copies = fx.Graph(), {}
-    for node, name in zip(traced.graph.nodes, names):
-        copies[node] = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, copies.__getitem__),
-                                         fx.node.map_arg(node.kwargs, copies.__getitem__), name=name,
-                                         type_expr=node.type)
-    if [n.name for n in graph.nodes] != names:
-        raise RuntimeError("the stored node names cannot be given back")
-    rebuilt = fx.GraphModule(traced, graph, class_name=class_name)
-    if tracer is not None:
-        rebuilt._tracer_cls = _torch_tracer(tracer)
+    graph: fx.Graph = fx.Graph()
+    created: dict[str, fx.Node] = {}
+    for op, name, target, args, kwargs in json.loads(entry["nodes"]):
+        args, kwargs = _value_from_json(args, created), _value_from_json(kwargs, created)
+        created[name] = graph.create_node(op, _target_from_json(target), args, kwargs, name=name)
+        if created[name].name != name:
+            raise RuntimeError(f"node {name} cannot keep its name")
+    rebuilt = fx.GraphModule(holder, graph, class_name=entry["class_name"])
+    if entry["tracer"] is not None:
+        tracer = _target_from_json(entry["tracer"])
+        if not (isinstance(tracer, type) and issubclass(tracer, fx.Tracer)):
+            raise RuntimeError(f"{entry['tracer']} is not a tracer class")
+        rebuilt._tracer_cls = tracer
+    if _structure(rebuilt) != entry["structure"]:
+        raise RuntimeError("it differs from the graph stored")
     return rebuilt
 
 
-def _torch_tracer(name: str) -> type:
-    """A tracer class of torch's, by name; nothing else is imported from an entry."""
-    found = pydoc.locate(name) if name.startswith("torch.") else None
-    if not (isinstance(found, type) and issubclass(found, fx.Tracer)):
-        raise RuntimeError(f"{name} is not a tracer class of torch's")
-    return found
+class _NotStorable(Exception):
+    pass
+
+
+_FUNCTION_MODULES = ("torch", "operator", "_operator", "math")  # where a stored function may come from
+
+
+def _node_to_json(node: fx.Node) -> list[Any]:
+    return [node.op, node.name, _target_to_json(node.target), _value_to_json(node.args), _value_to_json(node.kwargs)]
+
+
+def _target_to_json(target: Any) -> str:
+    """"name:x" (a placeholder's, get_attr's or output's), "op:aten.linear.default", "fn:operator.getitem"."""
+    if isinstance(target, str):
+        return f"name:{target}"
+    if isinstance(target, torch._ops.OpOverload):
+        return f"op:{target.namespace}.{target._opname}.{target._overloadname}"
+    name = f"fn:{getattr(target, '__module__', None)}.{getattr(target, '__qualname__', None)}"
+    try:
+        if _target_from_json(name) is target:
+            return name
+    except Exception:
+        pass
+    raise _NotStorable(f"{target!r} cannot be found again by its name")  # a higher-order op, a local function
+
+
+@functools.cache
+def _target_from_json(text: str) -> Any:
+    kind, _, name = text.partition(":")
+    if kind == "name":
+        return name
+    if kind == "op":
+        namespace, op, overload = name.split(".")
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    if kind == "fn" and name.partition(".")[0] in _FUNCTION_MODULES:
+        found = pydoc.locate(name)
+        if callable(found):
+            return found
+    raise RuntimeError(f"{text} is not an op of torch.ops nor a function of {', '.join(_FUNCTION_MODULES)}")
+
+
+def _value_to_json(value: Any) -> Any:
+    if isinstance(value, fx.Node):
+        return {"node": value.name}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return {"list" if isinstance(value, list) else "tuple": [_value_to_json(v) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": [[k, _value_to_json(v)] for k, v in value.items()]}
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        return {"torch": str(value)}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, slice):
+        return {"slice": [_value_to_json(value.start), _value_to_json(value.stop), _value_to_json(value.step)]}
+    raise _NotStorable(f"a {type(value).__name__} argument")
+
+
+def _value_from_json(value: Any, created: dict[str, fx.Node]) -> Any:
+    if not isinstance(value, dict):
+        return value
+    (kind, data), = value.items()
+    if kind == "node":
+        return created[data]
+    if kind in ("list", "tuple"):
+        items = [_value_from_json(v, created) for v in data]
+        return items if kind == "list" else tuple(items)
+    if kind == "dict":
+        return {k: _value_from_json(v, created) for k, v in data}
+    if kind == "torch":
+        found = getattr(torch, data.removeprefix("torch."))
+        if not isinstance(found, (torch.dtype, torch.layout, torch.memory_format)):
+            raise RuntimeError(f"{data} is not a dtype, layout or memory format")
+        return found
+    if kind == "device":
+        return torch.device(data)
+    if kind == "slice":
+        return slice(*(_value_from_json(v, created) for v in data))
+    raise RuntimeError(f"unknown value kind {kind}")
 
 
 def _structure(gm: fx.GraphModule) -> str:
@@ -265,7 +337,8 @@ def _symbolic_facts(example_inputs: list[Any]) -> Any:
     symbols = set().union(*[s.node.expr.free_symbols for s in sizes if isinstance(s, torch.SymInt)])
     if shape_env is None or not symbols:
         return None
-    return (sorted((str(s), str(shape_env.var_to_val.get(s)), str(shape_env.var_to_range.get(s))) for s in symbols),
+    hints = getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val  # renamed after torch 2.11
+    return (sorted((str(s), str(hints.get(s)), str(shape_env.var_to_range.get(s))) for s in symbols),
             sorted(f"{s} = {r}" for s, r in shape_env.replacements.items()),
             [str(g.expr) for g in shape_env.guards])
 
@@ -292,7 +365,9 @@ def _row_rules() -> list[Any]:
 
 
 def _report_to_json(report: Report) -> str:
-    return json.dumps({"findings": [dataclasses.asdict(f) for f in report.findings], "errors": report.errors,
+    # not dataclasses.asdict: it deep-copies a symbolic count (rows under dynamic shapes), fake tensors and all
+    findings = [{field.name: getattr(f, field.name) for field in dataclasses.fields(f)} for f in report.findings]
+    return json.dumps({"findings": findings, "errors": report.errors,
                        "notes": report.notes, "matmul_flops": report.matmul_flops}, default=str)
 
 
