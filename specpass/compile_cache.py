@@ -138,11 +138,14 @@ def store(entry_key: str, result: RewriteResult) -> bool:
         tracer = _target_to_json(tracer) if tracer is not None else None
     except _NotStorable:
         return False
-    entry = {"format": FORMAT, "key": entry_key, "nodes": nodes, "constants": {k: c.detach() for k, c in constants.items()},
+    entry = {"format": FORMAT, "key": entry_key, "nodes": nodes,
+             "constants": {name: c.detach() for name, c in constants.items()},
              "class_name": type(graph_module).__name__, "tracer": tracer,
              "structure": _structure(graph_module), "report": _report_to_json(result.report)}
     entry["digest"] = _digest(entry)
-    if _structure(_rebuild(entry)) != entry["structure"]:  # what the next process would get
+    try:
+        _rebuild(entry)  # what the next process would get: the same structure, or nothing stored
+    except Exception:
         return False
     path = _path(entry_key)
     path.parent.mkdir(parents=True, exist_ok=True)
