@@ -19,9 +19,10 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from specpass import compile_cache
 from specpass.capture import adopt_dynamo_inputs, to_aten_ir
 from specpass.options import Options
-from specpass.pipeline import run_passes
+from specpass.pipeline import RewriteResult, run_passes
 from specpass.report import Report
 
 log = logging.getLogger("specpass")
@@ -56,24 +57,37 @@ def backend(**options: Any) -> Callable[..., Callable]:
         opts = Options.make(**{**dataclasses.asdict(base), **ours}) if ours else base
         handoff = _handoff(opts.handoff, mode, inductor_options)
 
-        start = time.perf_counter()
-        try:
-            aten_gm = to_aten_ir(gm, example_inputs)
-        except Exception as exc:
-            _warn(f"specpass could not capture this graph ({type(exc).__name__}: {exc}); "
-                  "compiling it without rewrites")
-            return handoff(gm, example_inputs)
+        timer = Report()
+        with timer.timed("cache/key"):
+            cache_key = _cache_key(gm, example_inputs, opts)
+        with timer.timed("cache/load"):
+            result = _cached(cache_key)
+        aten_gm = None  # the unrewritten IR: captured here, or on a cache hit only if Inductor needs it
+        if result is None:
+            start = time.perf_counter()
+            try:
+                aten_gm = to_aten_ir(gm, example_inputs)
+            except Exception as exc:
+                _warn(f"specpass could not capture this graph ({type(exc).__name__}: {exc}); "
+                      "compiling it without rewrites")
+                return handoff(gm, example_inputs)
 
-        try:
-            capture_seconds = time.perf_counter() - start
-            result = run_passes(aten_gm, opts)
-            result.report.seconds = {"capture": capture_seconds, **result.report.seconds}
-            for compiled in (result.graph_module, aten_gm):
-                adopt_dynamo_inputs(gm, compiled)
-        except Exception as exc:  # the pipeline's own checks failed on the unrewritten graph
-            _warn(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
-                  "compiling it without rewrites")
-            return handoff(gm, example_inputs)
+            try:
+                capture_seconds = time.perf_counter() - start
+                result = run_passes(aten_gm, opts)
+                result.report.seconds = {"capture": capture_seconds, **result.report.seconds}
+                for compiled in (result.graph_module, aten_gm):
+                    adopt_dynamo_inputs(gm, compiled)
+            except Exception as exc:  # the pipeline's own checks failed on the unrewritten graph
+                _warn(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
+                      "compiling it without rewrites")
+                return handoff(gm, example_inputs)
+            with timer.timed("cache/store"):
+                _store(cache_key, result)
+        else:
+            adopt_dynamo_inputs(gm, result.graph_module)
+        if cache_key is not None:
+            result.report.seconds.update(timer.seconds)
         for error in result.report.errors:
             _warn(error)
         try:
@@ -87,13 +101,58 @@ def backend(**options: Any) -> Callable[..., Callable]:
         except Exception as exc:
             _warn(f"compiling the rewritten graph failed ({type(exc).__name__}: {exc}); "
                   "compiling it without rewrites")
-            return handoff(aten_gm, example_inputs)
+            return handoff(aten_gm if aten_gm is not None else _unrewritten(gm, example_inputs), example_inputs)
 
     specpass_backend.options = base  # type: ignore[attr-defined]
     return specpass_backend
 
 
 default_backend = backend()
+
+
+def _cache_key(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> str | None:
+    try:
+        return compile_cache.key(gm, example_inputs, options)
+    except Exception as exc:  # the cache is an optimization: never the reason a model does not compile
+        _warn(f"specpass could not key its compile cache ({type(exc).__name__}: {exc}); rewriting without it")
+        return None
+
+
+def _cached(cache_key: str | None) -> RewriteResult | None:
+    if cache_key is None:
+        return None
+    try:
+        result = compile_cache.load(cache_key)
+    except compile_cache.UnusableEntry as exc:
+        _warn(f"specpass ignored a compile cache entry: {exc}; rewriting the graph again")
+        return None
+    except Exception as exc:
+        _warn(f"specpass could not read its compile cache ({type(exc).__name__}: {exc}); rewriting the graph again")
+        return None
+    if result is not None:
+        log.info("specpass: rewrite loaded from the compile cache (key %s)", cache_key)
+    return result
+
+
+def _store(cache_key: str | None, result: RewriteResult) -> None:
+    if cache_key is None:
+        return
+    try:
+        if compile_cache.store(cache_key, result):
+            log.info("specpass: rewrite stored in the compile cache (key %s)", cache_key)
+    except Exception as exc:
+        _warn(f"specpass could not write its compile cache ({type(exc).__name__}: {exc}); the graph is compiled "
+              "as rewritten")
+
+
+def _unrewritten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
+    """The IR of a graph whose rewrite came from the cache; the Dynamo graph if it cannot be captured."""
+    try:
+        aten_gm = to_aten_ir(gm, example_inputs)
+        adopt_dynamo_inputs(gm, aten_gm)
+        return aten_gm
+    except Exception:
+        return gm
 
 
 def _handoff(kind: str, mode: str | None, inductor_options: dict[str, Any]) -> Callable:

@@ -96,6 +96,11 @@ def rule(*targets: Any) -> Callable[[RuleFn], RuleFn]:
     return register
 
 
+def registered_rules() -> dict[Any, RuleFn]:
+    """Every op overload with a rule, built in or declared (the compile cache keys on them)."""
+    return dict(_RULES)
+
+
 def has_rule(target: Any) -> bool:
     """Is a rule registered for this op overload (built in or declared)?"""
     return target in _RULES
