@@ -47,7 +47,13 @@ from benchmarks.scale.rounds import Bench
 from specpass.loop import cache_slots
 
 MODELS = {"8b": "llama3-8b", "70b": "llama3-70b"}
-points = lambda text: [point(p) for p in text.split(",") if p]  # noqa: E731
+
+
+def points(text: str) -> list[tuple[int, int]]:
+    """BSxPROMPT,... -> [(bs, prompt), ...]"""
+    return [point(p) for p in text.split(",") if p]
+
+
 START = time.perf_counter()
 
 
@@ -119,8 +125,9 @@ def sweep(args, group: dist.ProcessGroup | None, save) -> dict:
 def table(results: list[dict]) -> str:
     """One row per (model, TP, point): ms per round of each variant, round / decode, the projected
     speedups and the catch-up's collective bytes; then TP's round / decode against TP 1's."""
-    lines = ["| model | TP | bs | prompt | decode ms | K round ms | / decode | projected | Inductor round ms | "
-             "specpass / Inductor | tree | tree ms | / decode | projected | catch-up collective MB: Inductor -> specpass |",
+    lines = ["| model | TP | bs | prompt | decode ms | K round ms | / decode | projected | Inductor round ms "
+             "| specpass / Inductor | tree | tree ms | / decode | projected "
+             "| catch-up collective MB: Inductor -> specpass |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios = {}
     for result in results:
