@@ -42,16 +42,11 @@ import torch.distributed as dist
 import specpass
 from benchmarks import harness
 from benchmarks.catchup_tp import collective_bytes, step_inputs
-from benchmarks.scale.__main__ import point
+from benchmarks.scale.__main__ import points
 from benchmarks.scale.rounds import Bench
 from specpass.loop import cache_slots
 
 MODELS = {"8b": "llama3-8b", "70b": "llama3-70b"}
-
-
-def points(text: str) -> list[tuple[int, int]]:
-    """BSxPROMPT,... -> [(bs, prompt), ...]"""
-    return [point(p) for p in text.split(",") if p]
 
 
 START = time.perf_counter()

@@ -20,10 +20,14 @@ def point(text: str) -> tuple[int, int]:
     return int(bs), int(prompt)
 
 
+def points(text: str) -> list[tuple[int, int]]:
+    """BSxPROMPT,... (a command line's --points) -> [(bs, prompt), ...]"""
+    return [point(p) for p in text.split(",") if p]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=benchmarks.scale.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    points = lambda s: [point(p) for p in s.split(",") if p]  # noqa: E731
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--points", default="1x64,16x64,64x64,16x4096", type=points, help="BSxPROMPT,...")
