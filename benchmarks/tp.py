@@ -119,14 +119,16 @@ def sweep(args, group: dist.ProcessGroup | None, save) -> dict:
 
 def table(results: list[dict]) -> str:
     """One row per (model, TP, point): ms per round of each variant, round / decode, the projected
-    speedups and the catch-up's collective bytes; then TP's round / decode against TP 1's."""
-    lines = ["| model | TP | bs | prompt | decode ms | K round ms | / decode | projected | Inductor round ms "
+    speedups and the catch-up's collective bytes; then TP's round / decode against TP 1's on the
+    same GPU model (files from different hosts may share a table; their times do not compare)."""
+    lines = ["| GPU | model | TP | bs | prompt | decode ms | K round ms | / decode | projected | Inductor round ms "
              "| specpass / Inductor | tree | tree ms | / decode | projected "
              "| catch-up collective MB: Inductor -> specpass |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios = {}
     for result in results:
         env, rows = result["env"], result["rows"]
+        gpu = env["device"].removeprefix("NVIDIA ").split()[0]  # "H100", "H200"
         for bs, prompt in dict.fromkeys((r["bs"], r["prompt"]) for r in rows):
             at = {(r["variant"], r["k"]): r for r in rows if (r["bs"], r["prompt"]) == (bs, prompt)}
             decode = at.get(("decode", "0"))
@@ -135,11 +137,11 @@ def table(results: list[dict]) -> str:
             if decode is None or chain is None:
                 continue
             ratio = chain["round_ms"] / decode["round_ms"]
-            ratios[(env["model"], env["tp"], bs, prompt)] = ratio
+            ratios[(gpu, env["model"], env["tp"], bs, prompt)] = ratio
             moved = {v: sum(b.values()) / 1e6 for v, b in chain["catch_up_bytes"].items()}
             trees = [r for (v, _), r in at.items() if v == "tree"] or [None]
             for i, tree in enumerate(trees):
-                cells = [env["model"], env["tp"], bs, prompt, f"{decode['round_ms']:.3f}",
+                cells = [gpu, env["model"], env["tp"], bs, prompt, f"{decode['round_ms']:.3f}",
                          f"{chain['round_ms']:.3f} (K {chain['k']})", f"{ratio:.3f}",
                          f"{result['accepted'] / ratio:.2f}x",
                          f"{inductor['round_ms']:.3f}" if inductor else "-",
@@ -153,12 +155,12 @@ def table(results: list[dict]) -> str:
                               f"{accepted / tree_ratio:.2f}x" if accepted else "-"]
                 cells.append(f"{moved['inductor']:.2f} -> {moved['specpass']:.2f}" if i == 0 else "")
                 lines.append("| " + " | ".join(map(str, cells)) + " |")
-    lines += ["", "round / decode at TP N against TP 1 (same model and point):", "",
-              "| model | TP | bs | prompt | round / decode | TP 1's | ratio |", "|---|---|---|---|---|---|---|"]
-    for (model, tp, bs, prompt), ratio in ratios.items():
-        one = ratios.get((model, 1, bs, prompt))
+    lines += ["", "round / decode at TP N against TP 1 (same GPU, model and point):", "",
+              "| GPU | model | TP | bs | prompt | round / decode | TP 1's | ratio |", "|---|---|---|---|---|---|---|---|"]
+    for (gpu, model, tp, bs, prompt), ratio in ratios.items():
+        one = ratios.get((gpu, model, 1, bs, prompt))
         if tp != 1 and one:
-            lines.append(f"| {model} | {tp} | {bs} | {prompt} | {ratio:.3f} | {one:.3f} | {ratio / one:.3f} |")
+            lines.append(f"| {gpu} | {model} | {tp} | {bs} | {prompt} | {ratio:.3f} | {one:.3f} | {ratio / one:.3f} |")
     return "\n".join(lines)
 
 
