@@ -3,6 +3,8 @@
     python -m benchmarks.cold_start --device cpu --threads 1 --out cold_start.json
     python -m benchmarks.cold_start --device cuda --dtype bfloat16 --out cold_start_gpu.json
     python -m benchmarks.cold_start --device cpu --threads 1 --compilers specpass --warm
+    python -m benchmarks.cold_start --device cuda --dtype bfloat16 --compilers specpass transformers \
+        --new-batch-sizes 3,1 --warm
 
 `--warm` runs each compiler a second time in another fresh process with the first one's caches
 (torch's Inductor cache and specpass's compile cache, which lives inside it): a user's second run.
@@ -10,9 +12,12 @@
 The shipped pair loaded by transformers (checkpoints/stdlib-llama and its standalone draft
 stdlib-llama-draft), greedy, `--prompts` held-out prompts left-padded, `--new-tokens` per request, K
 `--k`; the steps compiled apart on a CPU, as one fused round on a GPU (`--round`; generate's
-defaults, CUDA graphs on a GPU). Each compiler ("specpass", then plain "inductor") runs in a fresh
-process with an empty Inductor cache, as a user's first run: one generate (the first call: it
-compiles every step), then the same generate again (the second call).
+defaults, CUDA graphs on a GPU). Each compiler ("specpass", plain "inductor", or "transformers":
+the target's own `generate` with a static cache, which compiles its decoding step itself, the
+issue's baseline; on a CPU too, mode "default") runs in a fresh process with an empty Inductor
+cache, as a user's first run: one generate (the first call: it compiles every step), then the same
+generate again (the second call), then, per `--new-batch-sizes`, a call at that many prompts (what
+a new batch size costs after the first call) and the same call again (warm).
 
 The parts come from torch's own compile timers (`dynamo_timed` regions, summed over every graph)
 and specpass's `Report.seconds` (read from its log records), so that they add up to the first call:
@@ -46,7 +51,7 @@ from benchmarks import harness
 
 CHECKPOINTS = harness.ROOT / "checkpoints"
 TARGET, DRAFT = CHECKPOINTS / "stdlib-llama", CHECKPOINTS / "stdlib-llama-draft"
-COMPILERS = ("specpass", "inductor")
+COMPILERS = ("specpass", "inductor", "transformers")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -57,6 +62,7 @@ class ColdRow(harness.Row):
     first_s: float
     first_cpu_s: float  # the first call's CPU time, this process's and its children's (the C++ compiler's)
     second_s: float
+    new_batch_s: dict[str, list[float]]  # batch size -> [its first call, the same call again]
     graphs: int
     parts: dict[str, float]
     specpass: dict[str, float]
@@ -72,7 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--round", choices=["fused", "apart"], help="default: fused on a GPU, apart on a CPU")
-    parser.add_argument("--compilers", nargs="+", choices=COMPILERS, default=list(COMPILERS))
+    parser.add_argument("--compilers", nargs="+", choices=COMPILERS, default=["specpass", "inductor"])
+    parser.add_argument("--new-batch-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                        help="after the second call, a call at each of these batch sizes, then again")
     parser.add_argument("--warm", action="store_true", help="also a second process with the first one's caches")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", choices=COMPILERS, help=argparse.SUPPRESS)  # one compiler, in this process
@@ -113,7 +121,7 @@ def in_fresh_processes(argv: list[str], compiler: str, runs: int) -> list[dict]:
 
 def first_and_second_call(args: argparse.Namespace, compiler: str) -> dict:
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import CompileConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     import specpass
@@ -128,27 +136,39 @@ def first_and_second_call(args: argparse.Namespace, compiler: str) -> dict:
         return LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
 
     model, draft = hf(TARGET), hf(DRAFT)
-    prompts = [encode(text) for text in load_prompts()[: args.prompts]]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    texts = load_prompts()
     fused = None if args.round is None else args.round == "fused"
     ours = SpecpassSeconds()
+    # transformers compiles generate's decoding step on GPUs only unless told to everywhere
+    static = CompileConfig(mode="reduce-overhead" if device.type == "cuda" else "default")
+    static._compile_all_devices = True  # its own switch for devices other than GPUs
 
-    def call() -> float:
+    def call(batch: int) -> float:
+        prompts = [encode(texts[i % len(texts)]) for i in range(batch)]
+        width = max(map(len, prompts))  # left padding, as transformers' decoder-only generate expects
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         start = harness.now(device)
-        specpass.generate(model, ids, attention_mask=mask, assistant_model=draft, max_new_tokens=args.new_tokens,
-                          num_assistant_tokens=args.k, compile=compiler, fused_round=fused)
+        if compiler == "transformers":
+            with torch.no_grad():
+                model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False,
+                               pad_token_id=0, cache_implementation="static", compile_config=static)
+        else:
+            specpass.generate(model, ids, attention_mask=mask, assistant_model=draft,
+                              max_new_tokens=args.new_tokens, num_assistant_tokens=args.k, compile=compiler,
+                              fused_round=fused)
         return harness.now(device) - start
 
     cpu = cpu_seconds()
-    first = call()
+    first = call(args.prompts)
     first_cpu = cpu_seconds() - cpu
     torch_seconds = harness.compile_seconds()
-    second = call()
+    second = call(args.prompts)
+    new_batch = {str(batch): [call(batch), call(batch)] for batch in args.new_batch_sizes}
     env = harness.environment(device, dtype, threads=torch.get_num_threads())
     return ColdRow(env=env, variant=compiler, first_s=first, first_cpu_s=first_cpu, second_s=second,
-                   graphs=harness.graphs_compiled(),                   parts=parts(first, torch_seconds, ours.by_part),
+                   new_batch_s=new_batch, graphs=harness.graphs_compiled(),
+                   parts=parts(first, torch_seconds, ours.by_part),
                    specpass=dict(ours.by_part), compiler_calls_s=torch_seconds.get("compile_file", 0.0)).asdict()
 
 
@@ -208,12 +228,20 @@ def table(rows: list[dict]) -> str:
                        ("first call, CPU time", "first_cpu_s"),
                        ("second call", "second_s"), ("graphs compiled", "graphs")):
         lines.append(f"| {label} | " + " | ".join(_cell(row[key]) for row in rows) + " |")
+    for batch in dict.fromkeys(b for row in rows for b in row["new_batch_s"]):
+        for i, label in enumerate((f"new batch size {batch}", f"bs {batch} again")):
+            lines.append(f"| {label} | " + " | ".join(_cell(row["new_batch_s"][batch][i]) if batch in row["new_batch_s"]
+                                                       else "-" for row in rows) + " |")
     by_variant = {row["variant"]: row for row in rows}
     for compiler in COMPILERS:
         if compiler in by_variant and f"{compiler}, warm" in by_variant:
             lines.append(f"\n{compiler}: a second process, caches warm, first call {by_variant[compiler + ', warm']['first_s']:.1f} s "
                          f"(cold {by_variant[compiler]['first_s']:.1f} s)")
-    if set(COMPILERS) <= set(by_variant):
+    if {"specpass", "transformers"} <= set(by_variant):
+        ours, theirs = by_variant["specpass"], by_variant["transformers"]
+        lines.append(f"\nspecpass first call {ours['first_s']:.1f} s vs transformers' static-cache generate "
+                     f"{theirs['first_s']:.1f} s: {ours['first_s'] / theirs['first_s']:.2f}x")
+    if {"specpass", "inductor"} <= set(by_variant):
         ours, plain = by_variant["specpass"], by_variant["inductor"]
         own = sum(ours["specpass"].values())
         lines.append(f"\nspecpass first call {ours['first_s']:.1f} s vs plain Inductor {plain['first_s']:.1f} s "
