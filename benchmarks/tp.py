@@ -12,7 +12,7 @@ round's shapes are static, its time does not depend on the values in the slots b
     torchrun --nproc-per-node 2 -m benchmarks.tp --model 8b --out tp2.json              # TP 2
     torchrun --nproc-per-node 4 -m benchmarks.tp --model 70b --points 1x1024 --out tp4.json
     torchrun --nproc-per-node 2 -m benchmarks.tp --device cpu --quick                   # gloo, tiny models
-    python -m benchmarks.tp --table tp1.json tp2.json tp4.json                          # the tables, no GPU
+    python -m benchmarks.tp --table tp1.json tp2.json tp4.json --plot tp.png            # the tables, no GPU
 
 Per point (batch size x prompt length), each variant built, compiled, timed and dropped in turn:
   decode     the target alone (K 0): the baseline
@@ -117,51 +117,96 @@ def sweep(args, group: dist.ProcessGroup | None, save) -> dict:
     return result
 
 
+def measured(results: list[dict]) -> list[dict]:
+    """One entry per (GPU model, model, TP, point) that has a decode and a specpass row: its rows by
+    variant ("decode", "specpass", "inductor", "trees"), round / decode and the projections."""
+    out = []
+    for result in results:
+        env, rows = result["env"], result["rows"]
+        for bs, prompt in dict.fromkeys((r["bs"], r["prompt"]) for r in rows):
+            at = [r for r in rows if (r["bs"], r["prompt"]) == (bs, prompt)]
+            one = {v: next((r for r in at if r["variant"] == v), None) for v in ("decode", "specpass", "inductor")}
+            if one["decode"] is None or one["specpass"] is None:
+                continue
+            decode = one["decode"]["round_ms"]
+            ratio = one["specpass"]["round_ms"] / decode
+            trees = [dict(row=r, ratio=r["round_ms"] / decode, accepted=result["tree_accepted"].get(r["k"]))
+                     for r in at if r["variant"] == "tree"]
+            for tree in trees:
+                tree["projected"] = tree["accepted"] / tree["ratio"] if tree["accepted"] else None
+            out.append(dict(gpu=env["device"].removeprefix("NVIDIA ").split()[0],  # "H100", "H200"
+                            model=env["model"], tp=env["tp"], bs=bs, prompt=prompt, **one, trees=trees,
+                            ratio=ratio, projected=result["accepted"] / ratio))
+    return out
+
+
 def table(results: list[dict]) -> str:
-    """One row per (model, TP, point): ms per round of each variant, round / decode, the projected
-    speedups and the catch-up's collective bytes; then TP's round / decode against TP 1's on the
-    same GPU model (files from different hosts may share a table; their times do not compare)."""
+    """One row per (GPU model, model, TP, point): ms per round of each variant, round / decode, the
+    projected speedups and the catch-up's collective bytes; then TP's round / decode against TP 1's on
+    the same GPU model (files from different hosts may share a table; their times do not compare)."""
     lines = ["| GPU | model | TP | bs | prompt | decode ms | K round ms | / decode | projected | Inductor round ms "
              "| specpass / Inductor | tree | tree ms | / decode | projected "
              "| catch-up collective MB: Inductor -> specpass |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    ratios = {}
-    for result in results:
-        env, rows = result["env"], result["rows"]
-        gpu = env["device"].removeprefix("NVIDIA ").split()[0]  # "H100", "H200"
-        for bs, prompt in dict.fromkeys((r["bs"], r["prompt"]) for r in rows):
-            at = {(r["variant"], r["k"]): r for r in rows if (r["bs"], r["prompt"]) == (bs, prompt)}
-            decode = at.get(("decode", "0"))
-            chain = next((r for (v, _), r in at.items() if v == "specpass"), None)
-            inductor = next((r for (v, _), r in at.items() if v == "inductor"), None)
-            if decode is None or chain is None:
-                continue
-            ratio = chain["round_ms"] / decode["round_ms"]
-            ratios[(gpu, env["model"], env["tp"], bs, prompt)] = ratio
-            moved = {v: sum(b.values()) / 1e6 for v, b in chain["catch_up_bytes"].items()}
-            trees = [r for (v, _), r in at.items() if v == "tree"] or [None]
-            for i, tree in enumerate(trees):
-                cells = [gpu, env["model"], env["tp"], bs, prompt, f"{decode['round_ms']:.3f}",
-                         f"{chain['round_ms']:.3f} (K {chain['k']})", f"{ratio:.3f}",
-                         f"{result['accepted'] / ratio:.2f}x",
-                         f"{inductor['round_ms']:.3f}" if inductor else "-",
-                         f"{inductor['round_ms'] / chain['round_ms']:.3f}x" if inductor else "-"]
-                if tree is None:
-                    cells += ["-"] * 4
-                else:
-                    tree_ratio = tree["round_ms"] / decode["round_ms"]
-                    accepted = result["tree_accepted"].get(tree["k"])
-                    cells += [tree["k"], f"{tree['round_ms']:.3f}", f"{tree_ratio:.3f}",
-                              f"{accepted / tree_ratio:.2f}x" if accepted else "-"]
-                cells.append(f"{moved['inductor']:.2f} -> {moved['specpass']:.2f}" if i == 0 else "")
-                lines.append("| " + " | ".join(map(str, cells)) + " |")
+    points = measured(results)
+    for p in points:
+        chain, inductor = p["specpass"], p["inductor"]
+        moved = {v: sum(b.values()) / 1e6 for v, b in chain["catch_up_bytes"].items()}
+        for i, tree in enumerate(p["trees"] or [None]):
+            cells = [p["gpu"], p["model"], p["tp"], p["bs"], p["prompt"], f"{p['decode']['round_ms']:.3f}",
+                     f"{chain['round_ms']:.3f} (K {chain['k']})", f"{p['ratio']:.3f}", f"{p['projected']:.2f}x",
+                     f"{inductor['round_ms']:.3f}" if inductor else "-",
+                     f"{inductor['round_ms'] / chain['round_ms']:.3f}x" if inductor else "-"]
+            if tree is None:
+                cells += ["-"] * 4
+            else:
+                cells += [tree["row"]["k"], f"{tree['row']['round_ms']:.3f}", f"{tree['ratio']:.3f}",
+                          f"{tree['projected']:.2f}x" if tree["projected"] else "-"]
+            cells.append(f"{moved['inductor']:.2f} -> {moved['specpass']:.2f}" if i == 0 else "")
+            lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", "round / decode at TP N against TP 1 (same GPU, model and point):", "",
               "| GPU | model | TP | bs | prompt | round / decode | TP 1's | ratio |", "|---|---|---|---|---|---|---|---|"]
+    ratios = {(p["gpu"], p["model"], p["tp"], p["bs"], p["prompt"]): p["ratio"] for p in points}
     for (gpu, model, tp, bs, prompt), ratio in ratios.items():
         one = ratios.get((gpu, model, 1, bs, prompt))
         if tp != 1 and one:
             lines.append(f"| {gpu} | {model} | {tp} | {bs} | {prompt} | {ratio:.3f} | {one:.3f} | {ratio / one:.3f} |")
     return "\n".join(lines)
+
+
+def plot(results: list[dict], out: Path) -> None:
+    """Round / decode (left) and the projected speedup (right) per measured point: the chain round
+    with specpass and with plain Inductor, and the tree round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = measured(results)
+    names = [f"{p['model'].removeprefix('llama3-').upper()} TP {p['tp']}\nbs {p['bs']} ({p['gpu']})" for p in points]
+    x = range(len(points))
+    fig, (cost, speedup) = plt.subplots(1, 2, figsize=(15, 5))
+    bars = {"chain, specpass": [p["ratio"] for p in points],
+            "chain, plain Inductor": [p["inductor"]["round_ms"] / p["decode"]["round_ms"] if p["inductor"] else 0
+                                      for p in points],
+            "tree, specpass": [p["trees"][0]["ratio"] if p["trees"] else 0 for p in points]}
+    width = 0.27
+    for i, (label, values) in enumerate(bars.items()):
+        cost.bar([j + (i - 1) * width for j in x], values, width, label=label)
+    cost.axhline(1.25, color="gray", ls="--", lw=0.8, label="goal at 70B TP 4 bs 1 (1.25)")
+    cost.set_ylabel("round ms / decode step ms")
+    speedup.bar([j - width / 2 for j in x], [p["projected"] for p in points], width, label="chain K 4 at 3.6 accepted")
+    speedup.bar([j + width / 2 for j in x], [p["trees"][0]["projected"] or 0 if p["trees"] else 0 for p in points],
+                width, label="tree at its accepted length")
+    speedup.axhline(2.8, color="gray", ls="--", lw=0.8, label="goal at 70B TP 4 bs 1 (2.8x)")
+    speedup.set_ylabel("projected speedup over decoding")
+    for ax in (cost, speedup):
+        ax.set_xticks(list(x), names, fontsize=7)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("The loop tensor-parallel: Llama-3 shapes, random weights, bf16, prompt 1024 (a missing bar: not run)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
 
 
 def main() -> None:
@@ -186,9 +231,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny models, one point: checks the script runs")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--table", type=Path, nargs="+", help="print the tables of these JSONs and exit")
+    parser.add_argument("--plot", type=Path, help="with --table: also draw the points into this image")
     args = parser.parse_args()
     if args.table:
-        print(table([json.loads(p.read_text()) for p in args.table]))
+        results = [json.loads(p.read_text()) for p in args.table]
+        print(table(results))
+        if args.plot:
+            plot(results, args.plot)
         return
     if args.quick:
         args.points, args.new_tokens, args.repeats, args.trees = [(2, 16)], (4, 12), 1, harness.tree_shapes("2,2,4")
