@@ -43,7 +43,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import library
 
-from specpass.drafters.attention import attend, copy_cache, write_cache
+from specpass.drafters.attention import attend, copy_cache, live, write_cache
 from specpass.drafters.layers import SwiGLU
 from specpass.drafters.rope import apply_rope
 
@@ -84,8 +84,8 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, config.hidden_size, bias=False)
         self.scale = (self.nope + self.rope_dim) ** -0.5  # of the un-absorbed per-head dot product
-        self.register_buffer("c_kv_cache", None, persistent=False)  # [B, S, kv_lora_rank]
-        self.register_buffer("k_rope_cache", None, persistent=False)  # [B, S, qk_rope_head_dim]
+        self.register_buffer("c_kv_cache", None, persistent=False)  # [capacity, S, kv_lora_rank]
+        self.register_buffer("k_rope_cache", None, persistent=False)  # [capacity, S, qk_rope_head_dim]
 
     def setup_cache(self, max_batch: int, max_len: int, device, dtype) -> None:
         self.c_kv_cache = torch.zeros(max_batch, max_len, self.kv_lora_rank, device=device, dtype=dtype)
@@ -119,8 +119,9 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = self.kv_b_weights()
         q_latent = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)  # absorb W_UK: [B, T, h, r]
         q = torch.cat([q_latent, q_rope], dim=-1).reshape(B, T * h, 1, r + self.rope_dim)  # heads -> rows
-        k = torch.cat([self.c_kv_cache, self.k_rope_cache], dim=-1)[:, :, None, :]  # [B, S, 1, r + dr]
-        v = self.c_kv_cache[:, :, None, :]  # [B, S, 1, r]
+        c_kv_cache = live(self.c_kv_cache, B)
+        k = torch.cat([c_kv_cache, live(self.k_rope_cache, B)], dim=-1)[:, :, None, :]  # [B, S, 1, r + dr]
+        v = c_kv_cache[:, :, None, :]  # [B, S, 1, r]
         S = k.shape[1]
         row_mask = mask[:, :, :, None, :].expand(B, 1, T, h, S).reshape(B, 1, T * h, S)
         out = attend(q, k, v, row_mask, self.scale).view(B, T, h, r)  # attention over the latent

@@ -14,7 +14,7 @@ import specpass
 from models.toy import ToyDraft
 from specpass import pipeline
 from specpass.graph import emit
-from specpass.loop.runtime import compiler
+from specpass.loop.runtime import SymbolicBatch, compiler
 from specpass.report import Finding
 
 aten = torch.ops.aten
@@ -211,7 +211,7 @@ def test_report_is_logged(monkeypatch, caplog):
 
 
 def test_compiling_a_step_logs_its_name_and_seconds(caplog):
-    wrap = compiler(specpass.backend(handoff="eager"), mode=None)
+    wrap = compiler(specpass.backend(handoff="eager"), mode=None, batch=SymbolicBatch())
     step = wrap(lambda x: torch.softmax(x @ x.T, -1).max(-1).indices, "decode_round")
     with caplog.at_level(logging.INFO, logger="specpass"):
         step(torch.randn(3, 4))

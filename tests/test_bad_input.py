@@ -189,7 +189,6 @@ def test_drafter_must_embed_every_target_id(target, name, changes):
 
 @pytest.mark.parametrize("prompts, max_new_tokens, error, message", [
     ([], 8, ValueError, r"no prompts: pass a list of prompts, each a list of token ids"),
-    ([[1, 2]] * 3, 8, ValueError, r"3 prompts but max_batch is 2: raise max_batch or generate in batches of 2"),
     ([[1], []], 8, ValueError, r"prompt 1 is empty: every prompt needs at least one token"),
     (["def f(x):"], 8, TypeError, r"prompt 0 is a str: encode the text to token ids first"),
     ([[1], [3, 256]], 8, ValueError, r"prompt 1 holds 256 at index 1, not a token id of the target's vocabulary "

@@ -192,9 +192,12 @@ def test_generate_keeps_one_decoder_per_configuration():
     (decoder,) = cache
     again = ours(model, IDS, MASK, decoder_cache=cache)
     assert list(cache) == [decoder] and torch.equal(first.sequences, again.sequences)  # reused
-    for rows in (1, 2):  # other batch sizes: a Decoder each; keep=2 drops the least recently used
-        ours(model, IDS[:rows], MASK[:rows], decoder_cache=cache)
-    assert len(cache) == 2 and [d.max_batch for d in cache] == [1, 2] and decoder not in list(cache)
+    for rows in (slice(1, 2), slice(0, 2)):  # other batch sizes (the longest prompt kept): the same Decoder
+        ours(model, IDS[rows], MASK[rows], decoder_cache=cache)
+    assert list(cache) == [decoder]
+    for slots in (64, 80):  # other cache lengths: a Decoder each; keep=2 drops the least recently used
+        ours(model, IDS, MASK, decoder_cache=cache, cache_len=slots)
+    assert len(cache) == 2 and [d.max_len for d in cache] == [64, 80] and decoder not in list(cache)
     with pytest.raises(ValueError, match="keep .* must be an int >= 0, got -1"):
         specpass.DecoderCache(keep=-1)
 

@@ -2,7 +2,8 @@
 
 Shapes: B requests, T rows per request (static), S cache slots per request. Positions are per
 request (`positions [B, T]` int64): requests in a batch have different lengths. Each attention
-layer owns cache buffers `[B, S, heads, d]`, written in place by position
+layer owns cache buffers `[capacity, S, heads, d]`; a call of B <= capacity requests uses rows
+0..B-1 (`live`), so one graph with B symbolic serves every batch size. Written in place by position
 (`cache[b, positions[b, t]] = k[b, t]`, an `aten.index_put_`); nothing is copied or rolled back on
 rejection: slots past a request's position are stale and the mask hides them,
 `mask[b, 0, t, s] = s <= positions[b, t]`. Attention is one SDPA call over the whole cache; which
@@ -24,16 +25,22 @@ def attention_mask(positions: torch.Tensor, cache_len: int) -> torch.Tensor:
     return slots[None, None, None, :] <= positions[:, None, :, None]
 
 
+def live(cache: torch.Tensor, batch: int) -> torch.Tensor:
+    """The cache rows of a call of `batch` requests: `cache[:batch]`, a view (the buffer keeps its
+    static shape, so a compiled step with a symbolic batch reads the one buffer at every size)."""
+    return cache[:batch]
+
+
 def write_cache(cache: torch.Tensor, positions: torch.Tensor, value: torch.Tensor) -> None:
-    """`cache[b, positions[b, t]] = value[b, t]` in place. cache `[B, S, ...]`, value `[B, T, ...]`."""
-    batch = torch.arange(cache.shape[0], device=positions.device)
+    """`cache[b, positions[b, t]] = value[b, t]` in place. cache `[capacity, S, ...]`, value `[B, T, ...]`, B <= capacity."""
+    batch = torch.arange(positions.shape[0], device=positions.device)
     cache[batch[:, None], positions] = value
 
 
 def copy_cache(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """`cache[b, dst[b, t]] = cache[b, src[b, t]]` in place, every source read before any write.
-    cache `[B, S, ...]`, src, dst `[B, T]`."""
-    batch = torch.arange(cache.shape[0], device=src.device)[:, None]
+    cache `[capacity, S, ...]`, src, dst `[B, T]`, B <= capacity."""
+    batch = torch.arange(src.shape[0], device=src.device)[:, None]
     cache[batch, dst] = cache[batch, src]
 
 
@@ -72,7 +79,7 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.qk_norm = qk_norm
-        self.register_buffer("k_cache", None, persistent=False)  # [B, S, n_kv, head_dim]
+        self.register_buffer("k_cache", None, persistent=False)  # [capacity, S, n_kv, head_dim]
         self.register_buffer("v_cache", None, persistent=False)
 
     def setup_cache(self, max_batch: int, max_len: int, device, dtype) -> None:
@@ -113,5 +120,6 @@ class Attention(nn.Module):
         q, k, v, gate = self.project(x, rope_cs)
         write_cache(self.k_cache, positions, k)  # every row's K/V lands in the cache ...
         write_cache(self.v_cache, positions, v)
-        out = attend(q, self.k_cache, self.v_cache, mask, self.head_dim**-0.5)  # ... then all of it is read
+        B = x.shape[0]
+        out = attend(q, live(self.k_cache, B), live(self.v_cache, B), mask, self.head_dim**-0.5)  # ... then all of it is read
         return self.output(out, gate)  # [B, T, H]

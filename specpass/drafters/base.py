@@ -29,8 +29,9 @@ class CachedModel(nn.Module):
     def setup_caches(self, max_batch: int, max_len: int, device=None, dtype=None) -> None:
         """(Re)allocate every layer's cache `[max_batch, max_len, ...]`, zeroed.
 
-        Calls must then pass exactly `max_batch` requests (static shapes: the engine pads the
-        batch) and positions below `max_len`. Defaults: the parameters' device and dtype.
+        Calls then pass up to `max_batch` requests (request b in cache row b: one compiled graph,
+        its batch symbolic, serves every size) and positions below `max_len`. Defaults: the
+        parameters' device and dtype.
         """
         param = next(self.parameters())
         device = param.device if device is None else device
@@ -44,9 +45,9 @@ class CachedModel(nn.Module):
         """The `[B, 1, T, S]` cache mask; also checks the call against the caches (static shapes)."""
         if self.cache_len is None:
             raise RuntimeError(f"{type(self).__name__}: call setup_caches(max_batch, max_len) first")
-        if positions.shape[0] != self.cache_batch:
+        if positions.shape[0] > self.cache_batch:
             raise ValueError(f"{positions.shape[0]} requests, but the caches hold {self.cache_batch}: "
-                             "pad the batch or call setup_caches again")
+                             "call setup_caches again with a larger max_batch")
         return attention_mask(positions, self.cache_len)
 
     def layout(self, positions: torch.Tensor, slots: torch.Tensor | None,

@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class PositionLayer(CacheLayerMixin):
-    """One attention layer's static K/V, [B, kv_heads, S, head_dim], written at the cache's `write_slots`.
+    """One attention layer's static K/V, [capacity, kv_heads, S, head_dim], written at the cache's `write_slots`.
 
     Allocated on the first write (as `StaticLayer` does), so heads and head sizes come from the
     model's own key states; that write is the loop's probe, run before anything is compiled.
@@ -42,15 +42,18 @@ class PositionLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """k, v [B, kv_heads, T, d] -> the whole cache [B, kv_heads, S, d], read under `visible`'s mask."""
+        """k, v [B, kv_heads, T, d] -> rows 0..B-1 of the cache [B, kv_heads, S, d], read under
+        `visible`'s mask. B may be below the capacity allocated (the probe's batch): request b
+        is row b, and a compiled step with B symbolic reads the one buffer at every batch size."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         slots = self.cache.write_slots  # [B, T]
-        batch = torch.arange(slots.shape[0], device=slots.device)[:, None]  # [B, 1]
+        B = slots.shape[0]
+        batch = torch.arange(B, device=slots.device)[:, None]  # [B, 1]
         # Advanced indices around a slice put [B, T] first: the values are [B, T, kv_heads, d].
         self.keys[batch, :, slots] = key_states.transpose(1, 2)
         self.values[batch, :, slots] = value_states.transpose(1, 2)
-        return self.keys, self.values
+        return self.keys[:B], self.values[:B]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.cache.slots, 0

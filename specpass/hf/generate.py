@@ -31,6 +31,9 @@ from specpass.loop.shapes import aligned
 from specpass.tensor_parallel import localize
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
+# The requests a new Decoder's caches hold: later calls of up to as many reuse its compiled steps;
+# more grow the caches (to twice as many rows at least), which compiles the steps again.
+ROWS = 8
 
 
 @dataclasses.dataclass
@@ -50,9 +53,10 @@ class _Entry(NamedTuple):
 
 class DecoderCache:
     """The compiled Decoders `generate` keeps for reuse, one per configuration (the model and the
-    assistant, K or the tree shape, batch size, cache length, compile options), each holding its
-    models, KV caches and compiled graphs (CUDA graphs on a GPU); the least recently used is
-    dropped beyond `keep`.
+    assistant, K or the tree shape, cache length, compile options; not the batch size: a Decoder's
+    steps are compiled with the batch symbolic and serve every size, its caches growing past
+    `ROWS` requests), each holding its models, KV caches and compiled graphs (CUDA graphs on a
+    GPU: one recorded per batch size); the least recently used is dropped beyond `keep`.
 
         specpass.generate.cache                  the one `generate` uses by default (keep=4)
         len(cache), list(cache)                  its Decoders, least recently used first
@@ -154,11 +158,11 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
         recorder = _Recorder(backend) if callable(backend) else None  # "inductor", "eager": nothing to report
         # tp_plan="auto": the local shards, so that the passes see the graph (DTensors cannot be captured)
         target, group = localize(model) if any(isinstance(p, DTensor) for p in model.parameters()) else (model, None)
-        return Decoder(HFTarget(target), drafter, k=k, max_batch=len(prompts), max_len=slots,
+        return Decoder(HFTarget(target), drafter, k=k, max_batch=max(len(prompts), ROWS), max_len=slots,
                        compile=recorder or backend, mode=mode, fused_round=fused_round, group=group), recorder
 
     cache = decoder_cache if decoder_cache is not None else generate.cache
-    key = (id(model), id(assistant_model), k, len(prompts), slots, compile, mode, fused_round)
+    key = (id(model), id(assistant_model), k, slots, compile, mode, fused_round)  # any batch size: one Decoder
     decoder, recorder, _ = cache._get(key, (model, assistant_model), build)
 
     out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)

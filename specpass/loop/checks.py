@@ -100,15 +100,12 @@ def probe(target: Target, drafter: Any, max_batch: int, device: torch.device, ra
     return V
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], limits: list[int], vocab_size: int, max_batch: int,
-                  max_len: int, k: int, slots: Callable[[int, int, int], int]) -> list[list[int]]:
+def check_prompts(prompts: Sequence[Sequence[int]], limits: list[int], vocab_size: int, max_len: int, k: int,
+                  slots: Callable[[int, int, int], int]) -> list[list[int]]:
     """Each problem named, with what to do -> the prompts as lists of ints. slots: the round
     shape's `cache_slots`."""
     if len(prompts) == 0:
         raise ValueError("no prompts: pass a list of prompts, each a list of token ids")
-    if len(prompts) > max_batch:
-        raise ValueError(f"{len(prompts)} prompts but max_batch is {max_batch}: raise max_batch "
-                         f"or generate in batches of {max_batch}")
     checked = []
     for i, (prompt, limit) in enumerate(zip(prompts, limits)):
         if isinstance(prompt, (str, bytes)):

@@ -34,7 +34,7 @@ from specpass.loop.checks import (check_k, check_models, check_options, check_po
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, pooled_acceptance, price
 from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
 from specpass.loop.protocols import Drafter, Target
-from specpass.loop.runtime import DoneFlags, PhaseTimer, clock, compiler, replayed
+from specpass.loop.runtime import DoneFlags, PhaseTimer, SymbolicBatch, clock, compiler, replayed
 from specpass.loop.shapes import PLAIN, RoundShape, round_shape
 from specpass.loop.steps import Carry, State, Steps, carried, decode_round, prefill_step
 from specpass.loop.tree import TreeShape, depth
@@ -96,14 +96,18 @@ class Decoder:
     or a `ParallelDrafter`: its round shape is decided once, from the Protocol it satisfies).
 
     compile: "specpass" (default), "inductor", "eager" (no torch.compile), or a backend callable
-      (e.g. `specpass.backend(handoff="eager")`). Every step is compiled with static shapes; the
-      prefill (`steps.prefill_step`) once, with the prompt length symbolic, in the default mode.
+      (e.g. `specpass.backend(handoff="eager")`). Every step is compiled once with the batch
+      symbolic (`runtime.SymbolicBatch`) and the other sizes static; the prefill
+      (`steps.prefill_step`) with the prompt length symbolic too, in the default mode.
     mode: torch.compile's mode; "reduce-overhead" gives CUDA graphs (one per compiled graph).
     fused_round: compile the whole round as one graph (one CUDA graph replay per round) instead
       of one graph per step (draft, verify, accept, catch-up).
     greedy_drafts: when sampling, draft the arg-max (q one-hot, vLLM's default) instead of drawing
       drafts from the draft's distribution; the output distribution is the same either way.
-    max_batch, max_len: the static cache shapes; `generate` pads the batch with idle rows.
+    max_batch, max_len: the caches' capacity in requests and their length in slots. A call runs
+      its own batch size, in cache rows 0..B-1, through the same compiled steps (B 1 runs as 2 rows,
+      one idle, unless max_batch is 1); more prompts than max_batch grow the caches (to at least
+      twice as many rows), which compiles the steps again.
     compile_prefill: False runs the prefill uncompiled (a benchmark of the rounds alone skips its
       compile, about a minute at 8B shape).
     skip_guards: rounds 3 on of a call run without Dynamo's guard evaluation (`runtime.skip_guards`);
@@ -146,15 +150,28 @@ class Decoder:
         self.fused_round = fused_round
         self.greedy_drafts = greedy_drafts
         self.skip_guards = skip_guards
-        target.setup_caches(max_batch, max_len)
-        if drafter is not None:
-            drafter.setup_caches(max_batch, max_len)
-        self.vocab_size = probe(target, drafter, max_batch, self.device, self.ranks)
+        self._setup_caches(max_batch)
         self._hidden_kind = drafter.hidden_kind if drafter is not None else None
-        self._wrap = compiler(compile, mode)
-        self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, dynamic=None)
+        self._batch = SymbolicBatch()
+        self._wrap = compiler(compile, mode, self._batch)
+        self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, self._batch)
         self._bound: dict[int, Bound] = {}  # K -> its steps and compiled forms (`use_k` switches K)
         self.use_k(k if drafter is not None else 0)
+
+    def _setup_caches(self, max_batch: int) -> None:
+        """The models' caches for max_batch requests, then the probe (`checks.probe`), which also
+        allocates a cache that is made on its first write (transformers')."""
+        self.target.setup_caches(max_batch, self.max_len)
+        if self.drafter is not None:
+            self.drafter.setup_caches(max_batch, self.max_len)
+        self.vocab_size = probe(self.target, self.drafter, max_batch, self.device, self.ranks)
+        self.max_batch = max_batch
+
+    def _rows(self, requests: int) -> int:
+        """The batch a call of `requests` runs: its own size, but 1 in two rows (one idle) where the
+        caches hold two, so that every size shares the graph compiled with the batch symbolic
+        (Dynamo specializes a size of 1)."""
+        return max(requests, min(2, self.max_batch))
 
     @property
     def k(self) -> int | TreeShape:
@@ -287,8 +304,8 @@ class Decoder:
 
     def round_ms(self, prompts: Sequence[Sequence[int]], short: int, long: int,
                  repeats: int = 3, sampling: Mapping[str, Any] | None = None) -> tuple[float, list[float]]:
-        """The current K's ms per round on `prompts` (the batch padded to max_batch as `generate`
-        pads it): the loop time of a `long`-token generate less a `short` one over the rounds
+        """The current K's ms per round on `prompts` (a batch of their number, as `generate` runs
+        it): the loop time of a `long`-token generate less a `short` one over the rounds
         between, median of `repeats` (one generate first compiles; on a GPU, records the CUDA
         graphs), so the prefill and compiling cancel -> (ms, the acceptance per draft position of
         the last long generate). sampling: generate's temperature / top_k / top_p / seed (default
@@ -395,23 +412,24 @@ class Decoder:
         eos = per_request(-1 if eos_id is None else eos_id, B, "eos_id", int, lambda v: v >= -1, ">= -1")  # -1: none
         if seed is None and self.ranks is not None:
             seed = self.ranks.shared_seed()  # not one fresh seed per rank
-        params = Params.make(B, self.max_batch, self.device, temperature, top_k, top_p, seed)  # None: greedy
         prompts = self._check_prompts(prompts, limits, self._k)
+        params = Params.make(B, self._rows(B), self.device, temperature, top_k, top_p, seed)  # None: greedy
         if self.ranks is not None:
             sampling = -1 if params is None else checksum(*(t for t in params if t is not None))
             self.ranks.check_request({"prompts": fingerprint(prompts), "max_new_tokens": fingerprint(limits),
                                       "eos_id": fingerprint(eos), "sampling parameters": sampling,
                                       "K": fingerprint(self._k)})
+        if B > self.max_batch:  # every rank grows alike: the prompts were checked equal
+            self._setup_caches(max(B, 2 * self.max_batch))
         return prompts, limits, eos, params
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], limits: list[int], k: int) -> list[list[int]]:
-        return check_prompts(prompts, limits, self.vocab_size, self.max_batch, self.max_len, k,
-                             round_shape(self.drafter, k).cache_slots)
+        return check_prompts(prompts, limits, self.vocab_size, self.max_len, k, round_shape(self.drafter, k).cache_slots)
 
     def _prefill(self, prompts: list[list[int]], limits: list[int], eos: list[int], params: Params | None) -> Run:
-        """The prompts, right-padded into max_batch rows, through the compiled prefill; emits each
-        request's first token. -> the first round's run."""
-        B, device = self.max_batch, self.device
+        """The prompts, right-padded (and a batch of one with an idle row, `_rows`), through the
+        compiled prefill; emits each request's first token. -> the first round's run."""
+        B, device = self._rows(len(prompts)), self.device
         # Two columns or more: one would specialize the compiled prefill to a single column (Dynamo's size-1 rule).
         P = max(2, *(len(p) for p in prompts))
         idle = B - len(prompts)  # padding rows: a one-token prompt, no budget, done from the start
@@ -419,7 +437,8 @@ class Decoder:
         tokens = torch.zeros(B, P + 1, dtype=torch.long, device=device)  # [B, P+1]: prompt, then x_n
         tokens[: len(prompts), :P] = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], device=device)
         torch._dynamo.maybe_mark_dynamic(tokens, 1)  # one graph for every prompt length
-        first, carry = self._bound[self._k].prefill(tokens, lengths, params)
+        with self._batch.marking(B):
+            first, carry = self._bound[self._k].prefill(tokens, lengths, params)
 
         limit = torch.tensor(limits + [0] * idle, device=device)
         eos_t = torch.tensor(eos + [-1] * idle, device=device)
@@ -452,7 +471,9 @@ class Decoder:
         state, carry, params, _ = run
         with contextlib.ExitStack() as unguarded:
             for number in itertools.count(1):
-                state, carry, finished = run_round(state, carry, params)
+                # Rounds 1 and 2 may compile (every guard runs): their batch is marked symbolic.
+                with self._batch.marking(len(state.last)) if number <= 2 else contextlib.nullcontext():
+                    state, carry, finished = run_round(state, carry, params)
                 if check is not None:  # every rank stops after the same round, even diverged: no hang
                     tensors = (state.last, state.pos, state.out, state.count, state.done, state.stats)
                     finished = check.observe(number, tensors, finished)

@@ -1,30 +1,75 @@
-"""Compiling and running the loop's steps: each step compiled under a code object of its own, the
-skip-guards stance of the later rounds, CUDA-graph replays' outputs cloned, the host's read of
+"""Compiling and running the loop's steps: each step compiled under a code object of its own with
+its batch symbolic, the skip-guards stance of the later rounds, CUDA-graph replays' outputs cloned, the host's read of
 the done flag, the phase timer."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from specpass.compile_backend import default_backend
+from specpass.loop.steps import State
 
 COMPILERS = ("specpass", "inductor", "eager")
 
 
-def compiler(compile: str | Callable, mode: str | None,
-             dynamic: bool | None = False) -> Callable[[Callable, str], Callable]:
-    """-> wrap(fn, name): fn compiled as one graph, under a code object of its own named `name`."""
+def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch) -> Callable[[Callable, str], Callable]:
+    """-> wrap(fn, name): fn compiled as one graph, under a code object of its own named `name`,
+    with the batch symbolic (`batch` marks it on the inputs) and every other size static unless
+    marked: Dynamo's automatic dynamic shapes (`dynamic=None`) make a size symbolic only where
+    marked or where a recompile saw it change."""
     if compile == "eager":
         return lambda fn, name: fn
     backend = default_backend if compile == "specpass" else compile  # "inductor"; a callable
-    return lambda fn, name: torch.compile(own_code(fn, name), backend=backend, mode=mode, fullgraph=True,
-                                          dynamic=dynamic)
+
+    def wrap(fn: Callable, name: str) -> Callable:
+        compiled = torch.compile(own_code(fn, name), backend=backend, mode=mode, fullgraph=True, dynamic=None)
+
+        def step(*args: Any) -> Any:
+            if batch.rows is not None:
+                batch.mark(args)
+            return compiled(*args)
+
+        return step
+
+    return wrap
+
+
+class SymbolicBatch:
+    """The batch axis made symbolic in every compiled step, so that one graph (one compile) serves
+    every batch size >= 2 up to the caches' capacity. While `rows` is set (the calls that may compile:
+    the prefill and rounds 1 and 2 of a call, which run under every guard), a step marks dim 0 of
+    each tensor input of that many rows `maybe_mark_dynamic`: the batch axis of every loop tensor
+    but the `State.stats`, the one without. Only a compile reads the marks, so later rounds skip
+    this (a tensor unmarked at a call passes the guards of a graph compiled on marked ones).
+
+    Size 1 is not marked: Dynamo specializes sizes 0 and 1, so `Decoder` runs a batch of one in two
+    rows (one idle) when its caches hold two or more, and only a capacity of 1 compiles for 1."""
+
+    def __init__(self) -> None:
+        self.rows: int | None = None
+
+    @contextlib.contextmanager
+    def marking(self, rows: int) -> Iterator[None]:
+        self.rows = rows if rows >= 2 else None
+        try:
+            yield
+        finally:
+            self.rows = None
+
+    def mark(self, args: Any) -> None:
+        # Not the stats [K+1]: a tensor marked at a call but not when its graph was compiled fails a
+        # guard (Dynamo's "_has_dynamo_dim_marking"), so a mark must not depend on K+1 == rows.
+        args = [arg._replace(stats=None) if isinstance(arg, State) else arg for arg in args]
+        for leaf in pytree.tree_leaves(args):
+            if isinstance(leaf, Tensor) and leaf.dim() and leaf.shape[0] == self.rows:
+                torch._dynamo.maybe_mark_dynamic(leaf, 0)
 
 
 def own_code(fn: Callable, name: str) -> Callable:
@@ -46,8 +91,11 @@ def skip_guards() -> contextlib.AbstractContextManager:
     its code object holds; with several, only the guards that tell them apart).
 
     `Decoder.generate` (and `Decoder.rounds`) enter it after round 2. Rounds 1 (on the prefill's
-    tensors) and 2 (on round 1's outputs) run under every guard, so other models, K, batch, options
-    or sampling parameters still recompile. Each later round runs the same compiled round on the
+    tensors) and 2 (on round 1's outputs) run under every guard, so other models, K, options or
+    sampling parameters still recompile, and a batch size picks its graph: one graph, the batch
+    symbolic, serves every size >= 2 (`SymbolicBatch`; its sizes read from the inputs on each call,
+    and with CUDA graphs Inductor replays the graph recorded for that size, chosen on each call
+    outside Dynamo's guards), a capacity of 1 its own. Each later round runs the same compiled round on the
     outputs of the round before, which match round 2's inputs in everything a guard checks (dtype,
     shape, stride, device), and nothing that runs between rounds changes the models, the options
     or global state: its guards would pass. That saves their host time per round
