@@ -192,10 +192,22 @@ def test_generate_keeps_one_decoder_per_configuration():
     (decoder,) = cache
     again = ours(model, IDS, MASK, decoder_cache=cache)
     assert list(cache) == [decoder] and torch.equal(first.sequences, again.sequences)  # reused
-    for rows in (slice(1, 2), slice(0, 2)):  # other batch sizes (the longest prompt kept): the same Decoder
+    for rows in (slice(1, 2), slice(0, 2)):  # other batch sizes: the same Decoder
         ours(model, IDS[rows], MASK[rows], decoder_cache=cache)
+    # plain decoding (K 0) needs the longest prompt + NEW + 1 slots: 20 here, a power of two up for a new Decoder
+    assert decoder.max_len == 32
+    shorter = ours(model, IDS[2:, -1:], MASK[2:, -1:], decoder_cache=cache)  # 14 slots: the same Decoder
     assert list(cache) == [decoder]
-    for slots in (64, 80):  # other cache lengths: a Decoder each; keep=2 drops the least recently used
+    assert torch.equal(shorter.sequences, reference(model, IDS[2:, -1:], MASK[2:, -1:]))
+    longer = torch.arange(3, 15)[None]  # 12 tokens, 25 slots: this one still
+    ours(model, longer, torch.ones_like(longer), decoder_cache=cache)
+    assert list(cache) == [decoder]
+    longest = torch.arange(3, 24)[None]  # 21 tokens, 34 slots: a new Decoder, 64 of them
+    ours(model, longest, torch.ones_like(longest), decoder_cache=cache)
+    assert len(cache) == 2 and list(cache)[0] is decoder and list(cache)[1].max_len == 64
+    ours(model, IDS, MASK, decoder_cache=cache)  # the shortest that is long enough: the first one again
+    assert list(cache)[1] is decoder
+    for slots in (64, 80):  # a given cache length: exactly that; keep=2 drops the least recently used
         ours(model, IDS, MASK, decoder_cache=cache, cache_len=slots)
     assert len(cache) == 2 and [d.max_len for d in cache] == [64, 80] and decoder not in list(cache)
     with pytest.raises(ValueError, match="keep .* must be an int >= 0, got -1"):

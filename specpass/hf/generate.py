@@ -55,7 +55,8 @@ class DecoderCache:
     """The compiled Decoders `generate` keeps for reuse, one per configuration (the model and the
     assistant, K or the tree shape, cache length, compile options; not the batch size: a Decoder's
     steps are compiled with the batch symbolic and serve every size, its caches growing past
-    `ROWS` requests), each holding its models, KV caches and compiled graphs (CUDA graphs on a
+    `ROWS` requests; without a `cache_len` a call takes a kept Decoder whose cache is long enough,
+    so shorter prompts compile nothing either), each holding its models, KV caches and compiled graphs (CUDA graphs on a
     GPU: one recorded per batch size); the least recently used is dropped beyond `keep`.
 
         specpass.generate.cache                  the one `generate` uses by default (keep=4)
@@ -81,6 +82,10 @@ class DecoderCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def _slots(self, config: tuple, need: int) -> int | None:
+        """The shortest cache of at least `need` slots among the kept Decoders of `config`, if any."""
+        return min((slots for (kept, slots) in self._entries if kept == config and slots >= need), default=None)
 
     def _get(self, key: tuple, models: tuple[Any, Any], build: Callable[[], tuple[Decoder, _Recorder | None]]) -> _Entry:
         """The entry for key, built when missing (after dropping the least recently used beyond keep - 1,
@@ -116,10 +121,12 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
       generation_config's. tokenizer, assistant_tokenizer: when both are given, their vocabularies
       must be the same. compile: "specpass", "inductor", "eager" or a backend callable; mode,
       fused_round: default CUDA graphs ("reduce-overhead") and the fused round on a GPU.
-    cache_len: the static cache length (default: the longest prompt + max_new_tokens + 2K + 1, 3K for
-      a parallel drafter, steps - 1 + max(tokens, steps + 2 + (steps - 1) * topk) for a tree: the
-      round shape's `cache_slots`, rounded up to a multiple of 16);
-      a fixed one lets calls with other prompt lengths reuse the compiled steps.
+    cache_len: the static cache length. Default: the slots the call needs (the longest prompt +
+      max_new_tokens + 2K + 1, 3K for a parallel drafter, steps - 1 + max(tokens, steps + 2 +
+      (steps - 1) * topk) for a tree: the round shape's `cache_slots`) served by the shortest kept
+      Decoder that has as many, else rounded up to a power of two (within the models'
+      max_position_embeddings) for a new one: prompts of other lengths reuse the compiled steps, at
+      the cost of attention over up to twice the slots needed. A fixed one is used as given.
     decoder_cache: where the compiled Decoders are kept for the next call (default `generate.cache`,
       which keeps 4; a `DecoderCache` of your own, or `DecoderCache(keep=0)` to keep none).
     sampling (with do_sample=True): `temperature`, `top_k`, `top_p` (default: the model's
@@ -144,7 +151,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     if cache_len is not None and cache_len < need:
         raise ValueError(f"cache_len {cache_len} is shorter than the {need} slots the longest prompt + max_new_tokens "
                          f"need at K {k} (`cache_slots`): raise it to {need} or more")
-    slots = cache_len or aligned(need)
+    cache = decoder_cache if decoder_cache is not None else generate.cache
+    config = (id(model), id(assistant_model), k, compile, mode, fused_round)  # any batch size: one Decoder
+    slots = cache_len or cache._slots(config, need) or _new_slots(need, (model, assistant_model))
     if isinstance(k, TreeShape):
         check_tree(model, "model", k.steps, slots)
         if standalone:
@@ -161,9 +170,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
         return Decoder(HFTarget(target), drafter, k=k, max_batch=max(len(prompts), ROWS), max_len=slots,
                        compile=recorder or backend, mode=mode, fused_round=fused_round, group=group), recorder
 
-    cache = decoder_cache if decoder_cache is not None else generate.cache
-    key = (id(model), id(assistant_model), k, slots, compile, mode, fused_round)  # any batch size: one Decoder
-    decoder, recorder, _ = cache._get(key, (model, assistant_model), build)
+    decoder, recorder, _ = cache._get((config, slots), (model, assistant_model), build)
 
     out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)
     width = max(map(len, out.tokens))
@@ -179,6 +186,16 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
 
 
 generate.cache = DecoderCache(keep=4)
+
+
+def _new_slots(need: int, models: tuple[Any, Any]) -> int:
+    """A new Decoder's cache length for `need` slots: the next power of two, so that a few lengths
+    serve every prompt, but no more than the models' position tables hold (a learned one has no row
+    past it); never below `need` rounded to 16 (the split-KV kernel's aligned mask rows)."""
+    limits = [getattr(getattr(m, "config", None), "max_position_embeddings", None) for m in models]
+    slots = 1 << (need - 1).bit_length()
+    bound = min((limit for limit in limits if isinstance(limit, int)), default=slots)
+    return max(aligned(need), min(slots, bound // 16 * 16))
 
 
 def _k(num_assistant_tokens: Any) -> int | TreeShape:
