@@ -56,8 +56,9 @@ class DecoderCache:
     assistant, K or the tree shape, cache length, compile options; not the batch size: a Decoder's
     steps are compiled with the batch symbolic and serve every size, its caches growing past
     `ROWS` requests; without a `cache_len` a call takes a kept Decoder whose cache is long enough,
-    so shorter prompts compile nothing either), each holding its models, KV caches and compiled graphs (CUDA graphs on a
-    GPU: one recorded per batch size); the least recently used is dropped beyond `keep`.
+    so shorter prompts compile nothing either), each holding its models, KV caches and compiled
+    graphs (CUDA graphs on a GPU: one recorded per batch size); the least recently used is dropped
+    beyond `keep`.
 
         specpass.generate.cache                  the one `generate` uses by default (keep=4)
         len(cache), list(cache)                  its Decoders, least recently used first
