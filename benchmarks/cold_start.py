@@ -125,6 +125,7 @@ def first_and_second_call(args: argparse.Namespace, compiler: str) -> dict:
     from transformers.utils import logging as hf_logging
 
     import specpass
+    from benchmarks.hf_generate import left_padded
     from models.text import encode, load_prompts
 
     hf_logging.disable_progress_bar()
@@ -144,10 +145,7 @@ def first_and_second_call(args: argparse.Namespace, compiler: str) -> dict:
     static._compile_all_devices = True  # its own switch for devices other than GPUs
 
     def call(batch: int) -> float:
-        prompts = [encode(texts[i % len(texts)]) for i in range(batch)]
-        width = max(map(len, prompts))  # left padding, as transformers' decoder-only generate expects
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        ids, mask = left_padded(torch, [encode(texts[i % len(texts)]) for i in range(batch)], device)
         start = harness.now(device)
         if compiler == "transformers":
             with torch.no_grad():
