@@ -18,11 +18,13 @@ import operator
 from collections import Counter
 from typing import Any, Callable
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch._guards import detect_fake_mode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from specpass.capture import capture
 from specpass.graph import (SCALAR_READS, is_impure, is_mutation, make_local_writes_functional, same_shape, storage,
@@ -79,9 +81,10 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
             with report.timed(f"{name}/rewrite"):
                 findings = run(candidate, options)
             with report.timed(f"{name}/diff"):
-                kept = _unchanged_values(candidate, as_it_was)
-            if len(kept) < len(candidate.graph.nodes) or list(candidate.graph.nodes) != list(as_it_was):
-                _clean(candidate, report, name, kept)
+                edited = list(candidate.graph.nodes) != list(as_it_was) or \
+                    not all(_as_it_was(candidate, n, as_it_was) for n in candidate.graph.nodes)
+            if edited:
+                _clean(candidate, report, name, as_it_was)
                 with report.timed(f"{name}/checks"):
                     _check_invariants(before=current, after=candidate)
             else:  # the graph is as it was: current's checks hold for it
@@ -115,16 +118,19 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, gm.graph.__deepcopy__(), class_name=type(gm).__name__)
 
 
-def _clean(gm: fx.GraphModule, report: Report, part: str, kept: frozenset[fx.Node] = frozenset()) -> None:
+def _clean(gm: fx.GraphModule, report: Report, part: str, before: Snapshot | None = None) -> None:
     with report.timed(f"{part}/clean"):
         gm.graph.eliminate_dead_code(is_impure)  # in-place ops are impure: KV writes survive
         gm.graph.lint()
         gm.recompile()
     with report.timed(f"{part}/propagate"):
-        propagate_fake_tensors(gm, kept)
+        propagate_fake_tensors(gm, before)
 
 
-def _snapshot(gm: fx.GraphModule) -> dict[fx.Node, tuple[Any, ...]]:
+Snapshot = dict[fx.Node, tuple[Any, ...]]
+
+
+def _snapshot(gm: fx.GraphModule) -> Snapshot:
     """Per node, in graph order, what its meta["val"] was computed from: its op, target and
     arguments, the value itself and, for a constant, the tensor it reads."""
     return {n: _inputs_of_value(gm, n) for n in gm.graph.nodes}
@@ -136,6 +142,12 @@ def _inputs_of_value(gm: fx.GraphModule, n: fx.Node) -> tuple[Any, ...]:
     return n.op, n.target, n.args, n.kwargs, n.meta.get("val"), constant
 
 
+def _as_it_was(gm: fx.GraphModule, n: fx.Node, before: Snapshot) -> bool:
+    """The node itself is as the snapshot saw it (the same objects), whatever its inputs hold."""
+    was = before.get(n)
+    return was is not None and all(a is b for a, b in zip(was, _inputs_of_value(gm, n)))
+
+
 def _attribute(gm: fx.GraphModule, target: str) -> Any:
     try:
         return operator.attrgetter(target)(gm)  # "a.b": a submodule's constant
@@ -143,21 +155,12 @@ def _attribute(gm: fx.GraphModule, target: str) -> Any:
         return None
 
 
-def _unchanged_values(gm: fx.GraphModule, before: dict[fx.Node, tuple[Any, ...]]) -> frozenset[fx.Node]:
-    """The nodes whose meta["val"] still holds: each node as it was (the same objects), every
-    input of it too (transitively), so a value upstream of a pass's edits is not computed again."""
-    kept: set[fx.Node] = set()
-    for n in gm.graph.nodes:
-        was = before.get(n)
-        if was is not None and all(a is b for a, b in zip(was, _inputs_of_value(gm, n))) \
-                and all(i in kept for i in n.all_input_nodes):
-            kept.add(n)
-    return frozenset(kept)
-
-
-def propagate_fake_tensors(gm: fx.GraphModule, kept: frozenset[fx.Node] = frozenset()) -> None:
-    """Recompute every node's meta["val"] from the placeholders' fake tensors, except those of
-    the `kept` nodes, whose values (and their inputs') are unchanged."""
+def propagate_fake_tensors(gm: fx.GraphModule, before: Snapshot | None = None) -> None:
+    """Recompute every node's meta["val"] from the placeholders' fake tensors. With `before`, the
+    snapshot taken before a pass edited the graph, only what the values need: a node as it was whose
+    inputs hold their old values keeps its old value, and a node computed again whose value is the old
+    one's (`_stands_for`) takes the old object back, so that the nodes after it keep theirs; the
+    propagation stops where a pass's edit stops changing values."""
     inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     mode = detect_fake_mode(inputs)
     if mode is None:
@@ -165,13 +168,14 @@ def propagate_fake_tensors(gm: fx.GraphModule, kept: frozenset[fx.Node] = frozen
     # Fake ops run as Dynamo and make_fx run them: without the Python dispatcher, torch 2.11's
     # aten.linear kernel reads numel() of symbolic sizes, and fails.
     with enable_python_dispatcher():
-        _ConstantsAsFake(gm, mode, kept).propagate_dont_convert_inputs(*inputs)
+        _ConstantsAsFake(gm, mode, before or {}).propagate_dont_convert_inputs(*inputs)
 
 
 class _ConstantsAsFake(FakeTensorProp):
-    def __init__(self, gm: fx.GraphModule, mode: Any, kept: frozenset[fx.Node]):
+    def __init__(self, gm: fx.GraphModule, mode: Any, before: Snapshot):
         super().__init__(gm, mode)
-        self.kept = kept
+        self.before = before
+        self.held: set[fx.Node] = set()  # nodes whose meta["val"] is the object the snapshot holds
 
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)
@@ -179,14 +183,61 @@ class _ConstantsAsFake(FakeTensorProp):
         return self._mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
 
     def run_node(self, n: fx.Node) -> Any:
-        if n in self.kept and n.op not in ("placeholder", "output") and "val" in n.meta:
-            return n.meta["val"]
+        was = self.before.get(n)
+        old = None if was is None else was[4]
+        if old is not None and n.op not in ("placeholder", "output") and _as_it_was(self.module, n, self.before) \
+                and all(i in self.held for i in n.all_input_nodes):
+            self.held.add(n)
+            return old
         # A scalar read from a tensor (`.item()` of a config float Dynamo made an input) keeps the
         # symbol capture gave it: run again, it would be a fresh unknown with nothing known of it.
         if n.target in SCALAR_READS and isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat)):
             return n.meta["val"]
-        return super().run_node(n)
+        value = super().run_node(n)
+        if old is not None and (value is old or (n.op == "call_function" and not is_mutation(n) and _stands_for(
+                value, old, _input_values(n.args, n.kwargs, lambda i: i.meta.get("val")),
+                _input_values(was[2], was[3], lambda i: self.before.get(i, (None,) * 5)[4])))):
+            n.meta["val"] = old
+            self.held.add(n)
+            return old
+        return value
 
+
+def _input_values(args: Any, kwargs: Any, value_of: Callable[[fx.Node], Any]) -> list[Any]:
+    nodes = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Node)]
+    return torch.utils._pytree.tree_leaves([value_of(i) for i in nodes])
+
+
+def _stands_for(new: Any, old: Any, new_inputs: list[Any], old_inputs: list[Any]) -> bool:
+    """`new`, just computed, may take `old`'s place: tensors (or a tuple of them) of one dtype, device,
+    layout, sizes, strides and offset, without a constant, each in a storage of its own (no input's:
+    an alias keeps its input's storage, which the old object does not share)."""
+    if isinstance(new, (tuple, list)):
+        return type(new) is type(old) and len(new) == len(old) and \
+            all(_stands_for(a, b, new_inputs, old_inputs) for a, b in zip(new, old))
+    if not (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)):
+        return False
+    if (new.dtype, new.device, new.layout, new.requires_grad) != (old.dtype, old.device, old.layout, old.requires_grad):
+        return False
+    if getattr(new, "constant", None) is not None or getattr(old, "constant", None) is not None:
+        return False
+    if not (_same_sizes(new.shape, old.shape) and _same_sizes(new.stride(), old.stride())
+            and _same_sizes([new.storage_offset()], [old.storage_offset()])):
+        return False
+    return _own_storage(new, new_inputs) and _own_storage(old, old_inputs)
+
+
+def _own_storage(value: torch.Tensor, inputs: list[Any]) -> bool:
+    mine = StorageWeakRef(value.untyped_storage())
+    return all(mine != StorageWeakRef(i.untyped_storage()) for i in inputs if isinstance(i, torch.Tensor))
+
+
+def _same_sizes(a: Any, b: Any) -> bool:
+    """Sizes equal as expressions (no guard is added: comparing SymInts with == would add one)."""
+    def expr(x: Any) -> Any:
+        return x.node.expr if isinstance(x, torch.SymInt) else sympy.Integer(x)
+
+    return len(a) == len(b) and all(expr(x) == expr(y) for x, y in zip(a, b))
 
 
 def _signature(gm: fx.GraphModule) -> tuple[list[Any], list[Any]]:
