@@ -183,3 +183,58 @@ def test_a_tampered_entry_is_ignored_with_a_warning(cache_dir, caplog):
         messages, out = compiled(Step(), caplog)
     assert not loaded(messages)
     assert_same(out, eager(Step()))  # relu's values: the sigmoid graph was not run
+
+
+PRECOMPILE = """
+import json, logging, sys, torch
+from torch._dynamo.utils import counters
+import specpass
+from tests.test_compile_cache import Step, inputs
+
+class Messages(logging.Handler):
+    seen = []
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+
+def step_of(model, x, cache, pos):
+    return model(x, cache, pos)
+
+logging.getLogger("specpass").addHandler(Messages())
+logging.getLogger("specpass").setLevel(logging.INFO)
+torch.set_grad_enabled(False)  # a grad-mode guard: saved and loaded under the same mode
+step, path = Step(), sys.argv[2]
+if sys.argv[1] == "save":
+    fn = torch.compile(step_of, backend=specpass.backend(), fullgraph=True).aot_compile(((step, *inputs()), {}))
+    fn.save_compiled_function(path, external_data={"model": step})
+else:
+    with open(path, "rb") as f:
+        fn = torch.compiler.load_compiled_function(f, external_data={"model": step})
+x, cache, pos = inputs()
+out = fn(step, x, cache, pos)
+print(json.dumps({"messages": Messages.seen, "captured": counters["stats"]["calls_captured"],
+                  "values": out.values.tolist(), "indices": out.indices.tolist(), "cache": cache.tolist()}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "load_compiled_function"), reason="torch without precompile")
+def test_torch_precompile_saves_the_rewritten_step_and_a_new_process_loads_it_without_dynamo(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for mode in ("save", "load"):
+        done = subprocess.run([sys.executable, "-c", PRECOMPILE, mode, str(tmp_path / "step.bin")], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    saved, loaded_run = runs["save"], runs["load"]
+    assert any("[live_rows] rewrote" in m and "[argmax] rewrote" in m for m in saved["messages"])
+    assert saved["captured"] > 0
+    assert loaded_run["captured"] == 0 and loaded_run["messages"] == [], "no Dynamo, no specpass: the artifact runs"
+    step = Step()
+    x, cache, pos = inputs()
+    with torch.no_grad():
+        expected = step(x, cache, pos)
+    assert loaded_run["indices"] == expected.indices.tolist()
+    torch.testing.assert_close(torch.tensor(loaded_run["values"]), expected.values)
+    assert cache.abs().sum() > 0
+    torch.testing.assert_close(torch.tensor(loaded_run["cache"]), cache)  # the loaded step writes the KV cache too
