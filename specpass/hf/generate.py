@@ -125,9 +125,10 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     cache_len: the static cache length. Default: the slots the call needs (the longest prompt +
       max_new_tokens + 2K + 1, 3K for a parallel drafter, steps - 1 + max(tokens, steps + 2 +
       (steps - 1) * topk) for a tree: the round shape's `cache_slots`) served by the shortest kept
-      Decoder that has as many, else rounded up to a power of two (within the models'
-      max_position_embeddings) for a new one: prompts of other lengths reuse the compiled steps, at
-      the cost of attention over up to twice the slots needed. A fixed one is used as given.
+      Decoder that has as many, else rounded up to a quarter of its power of two (5/8 to 8/8 of it;
+      within the models' max_position_embeddings) for a new one: prompts of other lengths reuse the
+      compiled steps, at the cost of attention over up to a quarter more slots than needed. A fixed
+      one is used as given.
     decoder_cache: where the compiled Decoders are kept for the next call (default `generate.cache`,
       which keeps 4; a `DecoderCache` of your own, or `DecoderCache(keep=0)` to keep none).
     sampling (with do_sample=True): `temperature`, `top_k`, `top_p` (default: the model's
@@ -190,11 +191,14 @@ generate.cache = DecoderCache(keep=4)
 
 
 def _new_slots(need: int, models: tuple[Any, Any]) -> int:
-    """A new Decoder's cache length for `need` slots: the next power of two, so that a few lengths
-    serve every prompt, but no more than the models' position tables hold (a learned one has no row
-    past it); never below `need` rounded to 16 (the split-KV kernel's aligned mask rows)."""
+    """A new Decoder's cache length for `need` slots: rounded up to 5/8, 6/8, 7/8 or 8/8 of the next
+    power of two, so that a few lengths serve every prompt while attention, which reads every slot,
+    reads at most a quarter more than needed (the next power of two itself: up to twice); a multiple
+    of 16 (the split-KV kernel's aligned mask rows), within the models' position tables (a learned
+    one has no row past them)."""
     limits = [getattr(getattr(m, "config", None), "max_position_embeddings", None) for m in models]
-    slots = 1 << (need - 1).bit_length()
+    step = max(16, 1 << max(0, (need - 1).bit_length() - 3))
+    slots = -(-need // step) * step
     bound = min((limit for limit in limits if isinstance(limit, int)), default=slots)
     return max(aligned(need), min(slots, bound // 16 * 16))
 
