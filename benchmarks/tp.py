@@ -185,7 +185,7 @@ def plot(results: list[dict], out: Path) -> None:
     points = measured(results)
     names = [f"{p['model'].removeprefix('llama3-').upper()} TP {p['tp']}\nbs {p['bs']} ({p['gpu']})" for p in points]
     x = range(len(points))
-    fig, (cost, speedup) = plt.subplots(1, 2, figsize=(15, 5))
+    fig, (cost, speedup) = plt.subplots(2, 1, figsize=(max(8.0, 1.0 * len(points)), 9))  # one row of names each
     bars = {"chain, specpass": [p["ratio"] for p in points],
             "chain, plain Inductor": [p["inductor"]["round_ms"] / p["decode"]["round_ms"] if p["inductor"] else 0
                                       for p in points],
