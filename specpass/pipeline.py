@@ -65,9 +65,11 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
     report = Report()
     with report.timed("prepare/copy"):
         current = _copy(gm)
+    with report.timed("prepare/diff"):
+        as_captured = _snapshot(current)
     with report.timed("prepare/functional"):
         make_local_writes_functional(current)  # the IR: in place only what another tensor sees
-    _clean(current, report, "prepare")
+    _clean(current, report, "prepare", as_captured)
     for name, run in PASSES:
         if not getattr(options, name):
             continue

@@ -15,6 +15,7 @@ from specpass.graph import emit
 from specpass.report import Finding, Report, graph_matmul_flops
 from specpass.testing import graph_str
 from tests.test_backend import broken_pass, silu_to_sigmoid
+from tests.test_live_rows_models import HEADS, _catch_up
 
 aten = torch.ops.aten
 
@@ -176,10 +177,17 @@ class TestPipeline(expecttest.TestCase):
                          sorted(placeholders + [mul.args[1].name, mul.name] + [u.name for u in mul.users] + ["output"]))
 
     def test_incremental_propagation_gives_the_values_a_full_one_gives(self):
-        for passes, (batch, T) in itertools.product([self._passes, [("live_rows", copy_after_transpose)]],
-                                                    [(2, 4), (1, 3)]):
+        """The preparation and every pass propagate incrementally (from the captured values on);
+        a full propagation of the result computes the same values, aliases included. The toy step
+        (two batch shapes) and the zoo heads' catch-up steps (MLA, MoE, a standalone draft)."""
+        captured = [(passes, _captured(batch, T)) for passes, (batch, T) in itertools.product(
+            [self._passes, [("live_rows", copy_after_transpose)]], [(2, 4), (1, 3)])]
+        for name in HEADS:
+            model, inputs = _catch_up(name)
+            captured.append((self._passes, specpass.capture(model.catch_up, *inputs)))
+        for passes, gm in captured:
             pipeline.PASSES = passes
-            result = specpass.rewrite(_captured(batch, T))
+            result = specpass.rewrite(gm)
             self.assertTrue(result.report.rewrites)  # values downstream of the edits changed
             gm = result.graph_module
             incremental = {n.name: _value_signature(n.meta.get("val")) for n in gm.graph.nodes}
