@@ -3,9 +3,9 @@
 A pass is `run(gm, options) -> list[Finding]`: it edits `gm` (canonical IR, see capture.py) in
 place and returns what it rewrote and what it left alone. The pipeline, not the pass, owns the
 invariants: after every pass the graph is linted, dead code is removed, fake tensors are
-re-propagated (through what the pass changed and everything downstream) so every `meta["val"]` is
-true, and the outputs (count, shapes, dtypes) and the
-sequence of in-place writes must be unchanged; no node may get two findings (each candidate
+re-propagated (through what the pass changed, on until the values are as they were) so every
+`meta["val"]` is true, and the outputs (count, shapes, dtypes) and the sequence of in-place writes
+must be unchanged; no node may get two findings (each candidate
 gets one verdict; a pass checks that every candidate got one). A pass that raises or breaks an
 invariant is dropped — the graph as it was before that pass goes on — and the report says why.
 A pass that leaves the graph as it was (every node the same objects, in order) needs none of it.
