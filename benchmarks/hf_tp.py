@@ -1,6 +1,7 @@
 """specpass.generate on a transformers target loaded tensor-parallel (`tp_plan="auto"`) on GPUs.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m benchmarks.hf_tp --out hf_tp.json
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 4 -m benchmarks.hf_tp --pair random   # heads 4 ranks divide
 
 The shipped pair loaded by transformers: the target with transformers' own plan (DTensor weights,
 NCCL), the standalone draft whole on every rank. Per batch size (held-out prompts, left-padded,
@@ -21,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -43,6 +45,33 @@ def transformers_tp_plan() -> dict:
     return {"tp_plan": "auto"}
 
 
+# --pair random: a transformers Llama whose heads every TP size up to 8 divides (random weights, seed 0)
+# and a one-layer draft of its vocabulary; "tiny" sizes for a CPU smoke test
+RANDOM = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+          "num_key_value_heads": 8, "vocab_size": 32000}
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "vocab_size": 512}
+
+
+def random_pair(sizes: dict) -> tuple[Path, Path, tempfile.TemporaryDirectory | None]:
+    """Rank 0 saves the random target and draft in a folder of its own, whose name every rank then
+    loads from (transformers' plan loads from a checkpoint); -> the paths and rank 0's folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    scratch = tempfile.TemporaryDirectory(prefix="hf_tp_") if dist.get_rank() == 0 else None
+    name = [scratch.name if scratch is not None else None]
+    dist.broadcast_object_list(name, src=0)
+    target, draft = Path(name[0]) / "target", Path(name[0]) / "draft"
+    if scratch is not None:
+        for path, layers, seed in ((target, sizes["num_hidden_layers"], 0), (draft, 1, 1)):
+            torch.manual_seed(seed)
+            config = LlamaConfig(**{**sizes, "num_hidden_layers": layers}, max_position_embeddings=4096,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
+            LlamaForCausalLM(config).save_pretrained(path)
+    dist.barrier()
+    return target, draft, scratch
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bs", default="1,8", type=lambda s: [int(x) for x in s.split(",")])
@@ -53,6 +82,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda", help="cuda (NCCL) or cpu (gloo: a smoke test of the script)")
     parser.add_argument("--compile", default="specpass", help="generate's compile= (on a CPU: eager)")
+    parser.add_argument("--pair", choices=["shipped", "random", "tiny"], default="shipped",
+                        help="the shipped pair (6 query heads: TP 2, 3, 6), or random weights whose heads 2, 4 and 8 "
+                             "ranks divide (tiny: for a CPU)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -69,9 +101,11 @@ def main() -> int:
         torch.cuda.set_device(device)
     torch.backends.cuda.matmul.allow_tf32 = False
     dtype = getattr(torch, args.dtype)
-    model = LlamaForCausalLM.from_pretrained(TARGET, **transformers_tp_plan(), dtype=dtype).eval()
-    draft = LlamaForCausalLM.from_pretrained(DRAFT, dtype=dtype).to(device).eval()
-    whole = LlamaForCausalLM.from_pretrained(TARGET, dtype=dtype).to(device).eval() if rank == 0 else None
+    target_path, draft_path, scratch = (TARGET, DRAFT, None) if args.pair == "shipped" else \
+        random_pair(RANDOM if args.pair == "random" else TINY)
+    model = LlamaForCausalLM.from_pretrained(target_path, **transformers_tp_plan(), dtype=dtype).eval()
+    draft = LlamaForCausalLM.from_pretrained(draft_path, dtype=dtype).to(device).eval()
+    whole = LlamaForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval() if rank == 0 else None
     texts = load_prompts()
     rows = []
     for bs in args.bs:
@@ -111,7 +145,7 @@ def main() -> int:
         if rank == 0:
             print(json.dumps(row), file=sys.stderr, flush=True)
     if rank == 0:
-        env = harness.environment(device, dtype, tp=world)
+        env = harness.environment(device, dtype, tp=world, pair=args.pair)
         result = {"env": env, "command": " ".join(["torchrun", f"--nproc-per-node {world}", "-m benchmarks.hf_tp",
                                                    *sys.argv[1:]]), "rows": rows}
         harness.saver(args.out)(result)
@@ -123,6 +157,8 @@ def main() -> int:
                   f"{r.get('equal_to_one_gpu', float('nan')):.3f} | {r['specpass_tokens_per_s']:.0f} | "
                   f"{r['transformers_tokens_per_s']:.0f} |")
     dist.barrier()  # rank 0 compared with the whole model alone: no rank leaves before it is done
+    if scratch is not None:
+        scratch.cleanup()
     dist.destroy_process_group()
     return 0
 
