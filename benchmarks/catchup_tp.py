@@ -285,7 +285,7 @@ def main() -> None:
         args.out.write_text(json.dumps({**meta, "results": results, "report": str(report)}, indent=1))
     if cuda:
         say(table(results, world, fake))
-    dist.destroy_process_group()
+    specpass.destroy_process_group()
 
 
 if __name__ == "__main__":

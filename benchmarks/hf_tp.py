@@ -159,7 +159,7 @@ def main() -> int:
     dist.barrier()  # rank 0 compared with the whole model alone: no rank leaves before it is done
     if scratch is not None:
         scratch.cleanup()
-    dist.destroy_process_group()
+    specpass.destroy_process_group()  # frees the CUDA graphs holding NCCL collectives first: else it waits forever
     return 0
 
 

@@ -7,6 +7,7 @@
     draft = specpass.load_drafter("eagle3-dir", hf_model)       # a public EAGLE-3 / P-EAGLE checkpoint
     out = specpass.generate(hf_model, input_ids, assistant_model=draft, max_new_tokens=64)  # transformers
     program = specpass.export(step_module, args)                # torch.export, rewritten
+    specpass.destroy_process_group()                            # at TP: frees the CUDA graphs, then the group
 """
 
 import sys
@@ -17,6 +18,7 @@ from specpass.capture import CaptureError, capture
 from specpass.drafters import load_drafter
 from specpass.export_program import export
 from specpass.loop import Decoder, Drafter, ParallelDrafter, Target, TreeDrafter, TreeShape, TreeTarget
+from specpass.loop.distributed import destroy_process_group
 from specpass.options import Options
 from specpass.passes.row_rules import register_row_rule
 from specpass.pipeline import PASSES, RewriteResult, explain, rewrite
@@ -40,6 +42,7 @@ __all__ = [
     "TreeTarget",
     "backend",
     "capture",
+    "destroy_process_group",
     "explain",
     "export",
     "generate",

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import specpass
@@ -73,7 +74,9 @@ def _worker(rank, path):
             got["unknown style"] = None
         except ValueError as exc:
             got["unknown style"] = str(exc)
-        save_rank(path, rank, got)
+        got["kept"] = len(specpass.generate.cache)
+    got["after teardown"] = [len(specpass.generate.cache), dist.is_initialized()]  # specpass.destroy_process_group
+    save_rank(path, rank, got)
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,12 @@ def test_the_passes_rewrite_the_local_shards_and_the_model_stays_sharded(ranks):
     for got in ranks:
         assert "live_rows" in got["rewrites"], got["rewrites"]
         assert got["still sharded"] == "DTensor"
+
+
+def test_teardown_drops_the_kept_decoders_and_the_group(ranks):
+    for got in ranks:
+        assert got["kept"] > 0
+        assert got["after teardown"] == [0, False]
 
 
 def test_a_style_localize_does_not_know_is_refused(ranks):

@@ -11,6 +11,7 @@
     cost.py       the choice of K: price, choose_k, next_k_to_time, KChoice
     runtime.py    compiling and running the steps: own code objects, guards, CUDA-graph clones, timers
     checks.py     what Decoder is given, checked
+    distributed.py  tensor parallel: the ranks' agreement checked, and the group's teardown
     driver.py     Decoder: binds, compiles, prefills, loops
 """
 

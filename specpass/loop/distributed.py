@@ -19,11 +19,14 @@ all-reduce of a few int64 (MAX of [x, -x] gives every rank max and min):
                 each other's collectives: a run that hangs at TP is one to rerun with it)
 
 A mismatch raises `RanksDisagree` on every rank, naming what differs. A group of one is no group.
+At the end, `destroy_process_group` frees the CUDA graphs that hold the group's collectives first.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +37,24 @@ from torch import Tensor
 
 class RanksDisagree(RuntimeError):
     """The ranks of a tensor-parallel `Decoder` were given, or computed, different values."""
+
+
+def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+    """`dist.destroy_process_group(group)`, after freeing the CUDA graphs that captured its collectives.
+
+    NCCL destroys a communicator only once every CUDA graph holding one of its collectives is
+    destroyed (pytorch/pytorch#115388): while the loop's graphs live, `dist.destroy_process_group()`
+    waits forever and a torchrun job never exits. This frees torch's cudagraph trees, where every
+    compiled step's graphs live (`torch.compiler.reset()`: compiled code is dropped too), and the
+    Decoders `specpass.generate` keeps. Decoders built on the group are not to be called again."""
+    generate = sys.modules.get("specpass.hf.generate")  # imported only where generate was used
+    if generate is not None:
+        generate.generate.cache.clear()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    torch.compiler.reset()
+    gc.collect()  # graphs held in reference cycles
+    dist.destroy_process_group(group)
 
 
 def checksum(*tensors: Tensor) -> Tensor:
