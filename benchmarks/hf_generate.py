@@ -18,8 +18,10 @@ request, the held-out prompts (checkpoints/prompts.json, byte tokenizer models/t
                     every round (`Decoder.generate` skips them from round 3 on)
 Ours: specpass with Inductor, CUDA graphs and the fused round on a GPU (specpass.generate's defaults);
 on CPU the rewritten graphs run eagerly (--quick: no torch.compile at all). Every variant runs once
-to compile and warm up; then `--repeats` interleaved passes over the variants of a batch size,
-median tokens/s (new tokens over generate's wall time, prefill included). "agree": the new tokens
+to compile and warm up (torch.compiler.reset() runs between batch sizes: compile_s at a later size
+is a compile from torch's warm caches, not a new batch size's cost, which
+benchmarks/new_batch_sizes.py measures); then `--repeats` interleaved passes over the variants of a
+batch size, median tokens/s (new tokens over generate's wall time, prefill included). "agree": the new tokens
 equal specpass/plain's (without it, the first variant's). The loop's variants also give the median
 prefill ms and ms per round (`Metrics`) and, for ours, "outside": generate's wall time beyond the
 Decoder's (argument checks, the output tensor), and the rewrites per compiled step.
@@ -264,7 +266,7 @@ def sweep(args) -> list[dict]:
         if args.out:  # after every batch size: a run cut short keeps what it measured
             args.out.write_text(json.dumps(rows, indent=1))
         print(table(rows), file=sys.stderr)
-        torch.compiler.reset()
+        torch.compiler.reset()  # each batch size's first call compiles again (from torch's warm caches)
     return rows
 
 

@@ -61,6 +61,17 @@ def test_one_compile_serves_every_batch_size(target, greedy, name, fused, graphs
     assert dec.max_batch == 8  # nothing grew
 
 
+def test_a_first_batch_as_large_as_the_caches_serves_smaller_ones(target, greedy):
+    """A first call whose batch equals the capacity compiles a graph that serves smaller batches:
+    the two sizes stay apart, though equal when it compiled."""
+    backend = Counting()
+    dec = Decoder(target, ZooDrafter(zoo.build("tiny-llama-eagle3", seed=3)), k=3, max_batch=4, max_len=MAX_LEN,
+                  compile=backend, fused_round=True)
+    for bs in (4, 2, 3):
+        assert dec.generate(PROMPTS[:bs], NEW).tokens == greedy(PROMPTS[:bs]), bs
+        assert backend.graphs == 2, bs
+
+
 def test_sampling_at_another_batch_size_draws_the_same_tokens(target):
     """Sampled, per-request seeds: a request's tokens do not depend on the batch it runs in, and the
     sampled graphs (other inputs than greedy's) are compiled once for both sizes."""
