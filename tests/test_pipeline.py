@@ -5,6 +5,7 @@ import unittest.mock
 
 import expecttest
 import torch
+import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -237,12 +238,23 @@ specpass: 2 rewrite(s), 1 left alone; graph matmul FLOPs 180K -> 180K
         seconds = specpass.rewrite(_captured(), argmax=False).report.seconds
         steps = ("copy", "rewrite", "clean", "propagate", "checks")
         for part in [f"prepare/{s}" for s in ("copy", "functional", "clean", "propagate")] + \
-                [f"live_rows/{s}" for s in steps] + ["report/flops"]:
+                [f"live_rows/{s}" for s in steps] + ["report/flops", "report/code"]:
             self.assertIn(part, seconds)
         self.assertEqual([part for part in seconds if part.startswith("argmax")], [])
         for part, value in seconds.items():
             self.assertIsInstance(value, float, part)
             self.assertGreaterEqual(value, 0.0, part)
+
+    def test_the_result_is_a_plain_graph_module_whose_code_is_its_graph(self):
+        """The copies the passes run on generate their code lazily; the result has its code, of the
+        rewritten graph, and runs as a plain GraphModule (what the compile cache and Inductor get)."""
+        pipeline.PASSES = [("live_rows", silu_to_sigmoid)]
+        gm = _captured()
+        result = specpass.rewrite(gm).graph_module
+        self.assertIs(type(result).__mro__[1], fx.GraphModule)
+        self.assertEqual(type(result).__name__, type(gm).__name__)
+        self.assertIn("sigmoid", result.code)
+        self.assertNotIn("silu", result.code)
 
     def test_timing_text(self):
         report = Report(seconds={"capture": 0.25, "live_rows/copy": 0.001, "live_rows/rewrite": 0.0104})
