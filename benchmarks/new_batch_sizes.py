@@ -50,7 +50,8 @@ for bs in args.bs:
         torch.cuda.synchronize()
         start = time.perf_counter()
         out = specpass.generate(bench.model, ids, attention_mask=mask, assistant_model=bench.eagle3,
-                                max_new_tokens=128, num_assistant_tokens=4, return_dict_in_generate=True)
+                                max_new_tokens=Settings.new_tokens, num_assistant_tokens=Settings.k,
+                                return_dict_in_generate=True)
         torch.cuda.synchronize()
         return time.perf_counter() - start, out
 
@@ -59,7 +60,7 @@ for bs in args.bs:
     runs = [call() for _ in range(args.warm)]
     warm, metrics = [t for t, _ in runs], [o.metrics for _, o in runs]
     row = dict(bs=bs, first_s=round(first, 3), warm_s=round(statistics.median(warm), 4),
-               tokens_per_s=round(bs * 128 / statistics.median(warm)),
+               tokens_per_s=round(bs * Settings.new_tokens / statistics.median(warm)),
                prefill_ms=round(statistics.median(1e3 * m.prefill_seconds for m in metrics), 3),
                round_ms=round(statistics.median(1e3 * (m.seconds - m.prefill_seconds) / m.rounds for m in metrics), 4),
                new_graphs=counters["stats"]["unique_graphs"] - graphs,

@@ -50,7 +50,7 @@ def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
     generate = sys.modules.get("specpass.hf.generate")  # imported only where generate was used
     if generate is not None:
         generate.generate.cache.clear()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     torch.compiler.reset()
     gc.collect()  # graphs held in reference cycles
