@@ -1,6 +1,7 @@
 """specpass.generate's first call at each batch size in one process, then warm calls (GPU).
 
     python benchmarks/new_batch_sizes.py . --bs 1,8,64 --out new_batch_sizes.json
+    python benchmarks/new_batch_sizes.py . --bs 1,8,64 --max-batch 64    # caches for 64 from the first call
     python benchmarks/new_batch_sizes.py old --bs 1,8      # `old`: another commit's tree (an A/B):
         # mkdir old && git archive COMMIT specpass benchmarks models | tar -x -C old && ln -s ../checkpoints old/
 
@@ -24,6 +25,7 @@ parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.R
 parser.add_argument("root", type=Path)
 parser.add_argument("--bs", default="1,8,64", type=lambda s: [int(x) for x in s.split(",")])
 parser.add_argument("--warm", type=int, default=5)
+parser.add_argument("--max-batch", type=int, help="generate's max_batch (default: none, the caches grow)")
 parser.add_argument("--out", type=Path)
 args = parser.parse_args()
 sys.path.insert(0, str(args.root.resolve()))
@@ -42,6 +44,7 @@ class Settings:  # what Bench reads
 
 
 bench = Bench(Settings)
+max_batch = {} if args.max_batch is None else {"max_batch": args.max_batch}  # generate's default without it
 rows = []
 for bs in args.bs:
     ids, mask = left_padded(torch, bench.prompts(bs), bench.device)
@@ -51,7 +54,7 @@ for bs in args.bs:
         start = time.perf_counter()
         out = specpass.generate(bench.model, ids, attention_mask=mask, assistant_model=bench.eagle3,
                                 max_new_tokens=Settings.new_tokens, num_assistant_tokens=Settings.k,
-                                return_dict_in_generate=True)
+                                return_dict_in_generate=True, **max_batch)
         torch.cuda.synchronize()
         return time.perf_counter() - start, out
 

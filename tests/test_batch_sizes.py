@@ -100,6 +100,23 @@ def test_a_capacity_of_one_compiles_for_one_and_grows(target, greedy):
     assert backend.graphs == 6 and backend.symbolic[2:] == [True] * 4  # at 3 and at 6 rows of cache
 
 
+def test_reserved_caches_serve_larger_batches_with_one_compile(target, greedy):
+    """`reserve` before the first call sizes the caches for the largest batch: every batch up to it
+    reuses the steps compiled once; a reserve of fewer rows shrinks nothing."""
+    backend = Counting()
+    dec = Decoder(target, ZooDrafter(zoo.build("tiny-llama-eagle3", seed=3)), k=3, max_batch=2, max_len=MAX_LEN,
+                  compile=backend, fused_round=True)
+    dec.reserve(11)
+    dec.reserve(3)
+    assert dec.max_batch == 11
+    for bs in (2, 11, 5):
+        prompts = (PROMPTS * 3)[:bs]
+        assert dec.generate(prompts, NEW).tokens == greedy(prompts), bs
+    assert backend.graphs == 2 and dec.max_batch == 11
+    with pytest.raises(ValueError, match="reserve takes the most requests a call will bring"):
+        dec.reserve(0)
+
+
 def test_live_rows_rewrite_fires_on_the_symbolic_batch(target, greedy):
     backend = Counting(specpass.backend(handoff="eager"))
     dec = Decoder(target, ZooDrafter(zoo.build("tiny-llama-eagle3", seed=3)), k=3, max_batch=4, max_len=MAX_LEN,
@@ -119,14 +136,19 @@ def test_live_rows_rewrite_fires_on_the_symbolic_batch(target, greedy):
     assert backend.graphs == 5 and all(backend.symbolic)
 
 
-def test_generate_reuses_one_decoder_for_every_batch_size():
+@pytest.fixture(scope="module")
+def hf_pair():
     torch.manual_seed(0)
     config = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                   initializer_range=0.2)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
     torch.manual_seed(1)
-    draft = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    return model, transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+
+
+def test_generate_reuses_one_decoder_for_every_batch_size(hf_pair):
+    model, draft = hf_pair
     ids = torch.tensor([[0, 0, 0, 0, 5, 17, 33], [8, 41, 9, 60, 12, 3, 77], [0, 0, 0, 0, 0, 0, 50],
                         [0, 0, 11, 12, 13, 14, 15], [0, 0, 0, 21, 22, 23, 24]])
     mask = (ids != 0).long()
@@ -139,3 +161,27 @@ def test_generate_reuses_one_decoder_for_every_batch_size():
         assert len(cache) == 1 and backend.graphs == 5, bs
     assert all(backend.symbolic)
     assert any(line.startswith("[live_rows] rewrote") for line in out.rewrites["catch_up"]), out.rewrites
+
+
+def test_generate_max_batch_sizes_the_caches_at_the_first_call(hf_pair):
+    """max_batch= at the first call: a later call of that many requests compiles nothing; a kept
+    Decoder asked for more grows (and compiles again); a bad value is a clear error."""
+    model, draft = hf_pair
+    ids = torch.randint(3, 96, (12, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    cache, backend = specpass.DecoderCache(), Counting(specpass.backend(handoff="eager"))
+
+    def call(bs, **kwargs):
+        out = specpass.generate(model, ids[:bs], attention_mask=mask[:bs], assistant_model=draft, max_new_tokens=NEW,
+                                cache_len=64, compile=backend, decoder_cache=cache, **kwargs)
+        assert torch.equal(out, model.generate(ids[:bs], attention_mask=mask[:bs], max_new_tokens=NEW,
+                                               do_sample=False)), bs
+
+    call(2, max_batch=12)
+    call(12)
+    assert len(cache) == 1 and backend.graphs == 5 and next(iter(cache)).max_batch == 12
+    call(3, max_batch=13)
+    assert len(cache) == 1 and backend.graphs > 5 and next(iter(cache)).max_batch == 13
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
+            specpass.generate(model, ids[:2], max_new_tokens=NEW, max_batch=bad, decoder_cache=cache)

@@ -109,7 +109,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, do_sample: bool = False,
              tokenizer: Any = None, assistant_tokenizer: Any = None, compile: str | Callable = "specpass",
              mode: str | None = None, fused_round: bool | None = None, cache_len: int | None = None,
-             return_dict_in_generate: bool = False, decoder_cache: DecoderCache | None = None,
+             max_batch: int | None = None, return_dict_in_generate: bool = False, decoder_cache: DecoderCache | None = None,
              **sampling: Any) -> Tensor | GenerateOutput:
     """Lossless speculative decoding of `model`, greedy or sampled; see docs/hf.md.
 
@@ -129,6 +129,10 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
       within the models' max_position_embeddings) for a new one: prompts of other lengths reuse the
       compiled steps, at the cost of attention over up to a quarter more slots than needed. A fixed
       one is used as given.
+    max_batch: the most requests a call will bring. The caches hold max(it, the call's, `ROWS`)
+      requests, and every batch size up to that reuses the compiled steps; a call that brings more
+      grows them (to twice as many at least) and compiles the steps again (their capacity is static:
+      docs/hf.md). Give the largest batch you serve, at the first call.
     decoder_cache: where the compiled Decoders are kept for the next call (default `generate.cache`,
       which keeps 4; a `DecoderCache` of your own, or `DecoderCache(keep=0)` to keep none).
     sampling (with do_sample=True): `temperature`, `top_k`, `top_p` (default: the model's
@@ -153,6 +157,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     if cache_len is not None and cache_len < need:
         raise ValueError(f"cache_len {cache_len} is shorter than the {need} slots the longest prompt + max_new_tokens "
                          f"need at K {k} (`cache_slots`): raise it to {need} or more")
+    if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
+        raise ValueError(f"max_batch must be an int >= 1 (the most requests a call will bring), got {max_batch!r}")
     cache = decoder_cache if decoder_cache is not None else generate.cache
     config = (id(model), id(assistant_model), k, compile, mode, fused_round)  # any batch size: one Decoder
     slots = cache_len or cache._slots(config, need) or _new_slots(need, (model, assistant_model))
@@ -169,10 +175,11 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
         recorder = _Recorder(backend) if callable(backend) else None  # "inductor", "eager": nothing to report
         # tp_plan="auto": the local shards, so that the passes see the graph (DTensors cannot be captured)
         target, group = localize(model) if any(isinstance(p, DTensor) for p in model.parameters()) else (model, None)
-        return Decoder(HFTarget(target), drafter, k=k, max_batch=max(len(prompts), ROWS), max_len=slots,
+        return Decoder(HFTarget(target), drafter, k=k, max_batch=max(len(prompts), max_batch or ROWS), max_len=slots,
                        compile=recorder or backend, mode=mode, fused_round=fused_round, group=group), recorder
 
     decoder, recorder, _ = cache._get((config, slots), (model, assistant_model), build)
+    decoder.reserve(max_batch or 1)  # a kept Decoder: grown where this call asks for more
 
     out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)
     width = max(map(len, out.tokens))

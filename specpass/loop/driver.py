@@ -121,6 +121,7 @@ class Decoder:
 
     Decoding, and its parts for benchmarks (every one the same code `generate` runs):
       dec.generate(prompts, max_new_tokens, ...) -> Output     the whole loop, metrics included
+      dec.reserve(requests)        caches for that many requests (grown; the steps compile again)
       dec.k; dec.use_k(k)          the drafts per round; decode with K from now on (compiled once per K, kept);
                                    K 0: plain decoding; a TreeShape(topk, steps, tokens): tree rounds
       run = dec.start(prompts, max_new_tokens, eos_id, *, temperature, top_k, top_p, seed, position=None)
@@ -166,6 +167,15 @@ class Decoder:
             self.drafter.setup_caches(max_batch, self.max_len)
         self.vocab_size = probe(self.target, self.drafter, max_batch, self.device, self.ranks)
         self.max_batch = max_batch
+
+    def reserve(self, requests: int) -> None:
+        """Caches for at least `requests` requests (grown, never shrunk). Their capacity is static in
+        the compiled steps (a symbolic one slowed the rounds: docs/results.md, cold start), so growing
+        them compiles the steps again at the next call: reserve the largest batch before the first."""
+        if not is_int(requests) or requests < 1:
+            raise ValueError(f"reserve takes the most requests a call will bring, an int >= 1, got {requests!r}")
+        if requests > self.max_batch:
+            self._setup_caches(requests)
 
     def _rows(self, requests: int) -> int:
         """The batch a call of `requests` runs: its own size, but 1 in two rows (one idle) where the
@@ -420,7 +430,7 @@ class Decoder:
                                       "eos_id": fingerprint(eos), "sampling parameters": sampling,
                                       "K": fingerprint(self._k)})
         if B > self.max_batch:  # every rank grows alike: the prompts were checked equal
-            self._setup_caches(max(B, 2 * self.max_batch))
+            self.reserve(max(B, 2 * self.max_batch))
         return prompts, limits, eos, params
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], limits: list[int], k: int) -> list[list[int]]:
