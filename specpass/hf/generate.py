@@ -28,6 +28,7 @@ from specpass.compile_backend import backend as specpass_backend, step_name
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
 from specpass.loop import Decoder, Metrics, TreeShape, round_shape
 from specpass.loop.shapes import aligned
+from specpass.loop.steps import is_int
 from specpass.tensor_parallel import localize
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
@@ -109,8 +110,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
              eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, do_sample: bool = False,
              tokenizer: Any = None, assistant_tokenizer: Any = None, compile: str | Callable = "specpass",
              mode: str | None = None, fused_round: bool | None = None, cache_len: int | None = None,
-             max_batch: int | None = None, return_dict_in_generate: bool = False, decoder_cache: DecoderCache | None = None,
-             **sampling: Any) -> Tensor | GenerateOutput:
+             max_batch: int | None = None, return_dict_in_generate: bool = False,
+             decoder_cache: DecoderCache | None = None, **sampling: Any) -> Tensor | GenerateOutput:
     """Lossless speculative decoding of `model`, greedy or sampled; see docs/hf.md.
 
     assistant_model: None (plain decoding, compiled the same way), a transformers causal LM with the
@@ -157,7 +158,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     if cache_len is not None and cache_len < need:
         raise ValueError(f"cache_len {cache_len} is shorter than the {need} slots the longest prompt + max_new_tokens "
                          f"need at K {k} (`cache_slots`): raise it to {need} or more")
-    if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
+    if max_batch is not None and (not is_int(max_batch) or max_batch < 1):
         raise ValueError(f"max_batch must be an int >= 1 (the most requests a call will bring), got {max_batch!r}")
     cache = decoder_cache if decoder_cache is not None else generate.cache
     config = (id(model), id(assistant_model), k, compile, mode, fused_round)  # any batch size: one Decoder
