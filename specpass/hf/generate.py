@@ -180,7 +180,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
                        compile=recorder or backend, mode=mode, fused_round=fused_round, group=group), recorder
 
     decoder, recorder, _ = cache._get((config, slots), (model, assistant_model), build)
-    decoder.reserve(max_batch or 1)  # a kept Decoder: grown where this call asks for more
+    if max_batch is not None:
+        decoder.reserve(max_batch)  # a kept Decoder: grown where this call asks for more
 
     out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)
     width = max(map(len, out.tokens))
