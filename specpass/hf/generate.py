@@ -27,8 +27,8 @@ from transformers import PreTrainedModel
 from specpass.compile_backend import backend as specpass_backend, step_name
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
 from specpass.loop import Decoder, Metrics, TreeShape, round_shape
+from specpass.loop.checks import check_cache_size
 from specpass.loop.shapes import aligned
-from specpass.loop.steps import is_int
 from specpass.tensor_parallel import localize
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
@@ -158,8 +158,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     if cache_len is not None and cache_len < need:
         raise ValueError(f"cache_len {cache_len} is shorter than the {need} slots the longest prompt + max_new_tokens "
                          f"need at K {k} (`cache_slots`): raise it to {need} or more")
-    if max_batch is not None and (not is_int(max_batch) or max_batch < 1):
-        raise ValueError(f"max_batch must be an int >= 1 (the most requests a call will bring), got {max_batch!r}")
+    if max_batch is not None:
+        check_cache_size("max_batch", max_batch)
     cache = decoder_cache if decoder_cache is not None else generate.cache
     config = (id(model), id(assistant_model), k, compile, mode, fused_round)  # any batch size: one Decoder
     slots = cache_len or cache._slots(config, need) or _new_slots(need, (model, assistant_model))

@@ -33,10 +33,14 @@ def check_k(drafter: Any, k: Any) -> None:
                          f"or a specpass.TreeShape(topk, steps, tokens) (tree rounds), got {k!r}")
 
 
+def check_cache_size(name: str, value: Any) -> None:
+    if not is_int(value) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (a static cache size), got {value!r}")
+
+
 def check_options(max_batch: Any, max_len: Any, compile: Any, compile_prefill: Any, skip_guards: Any) -> None:
-    for name, value in (("max_batch", max_batch), ("max_len", max_len)):
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1 (a static cache size), got {value!r}")
+    check_cache_size("max_batch", max_batch)
+    check_cache_size("max_len", max_len)
     if not (compile in COMPILERS if isinstance(compile, str) else callable(compile)):
         raise ValueError(f"compile must be one of {list(COMPILERS)} or a backend callable, got {compile!r}")
     for name, value in (("compile_prefill", compile_prefill), ("skip_guards", skip_guards)):

@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 from specpass.loop import runtime
-from specpass.loop.checks import (check_k, check_models, check_options, check_position, check_prompts,
-                                  check_ranks_option, check_sampling, check_timing, check_tuning, device_of, is_int,
-                                  probe)
+from specpass.loop.checks import (check_cache_size, check_k, check_models, check_options, check_position,
+                                  check_prompts, check_ranks_option, check_sampling, check_timing, check_tuning,
+                                  device_of, is_int, probe)
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, pooled_acceptance, price
 from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
 from specpass.loop.protocols import Drafter, Target
@@ -172,8 +172,7 @@ class Decoder:
         """Caches for at least `requests` requests (grown, never shrunk). Their capacity is static in
         the compiled steps (a symbolic one slowed the rounds: docs/results.md, cold start), so growing
         them compiles the steps again at the next call: reserve the largest batch before the first."""
-        if not is_int(requests) or requests < 1:
-            raise ValueError(f"reserve takes the most requests a call will bring, an int >= 1, got {requests!r}")
+        check_cache_size("requests", requests)
         if requests > self.max_batch:
             self._setup_caches(requests)
 
