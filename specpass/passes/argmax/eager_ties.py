@@ -10,7 +10,15 @@ values are, equals the maximum's:
     hits    = (round(exp(s_c - m) / z) == round(exp(m - m) / z)).to(int32)   (16-bit: as bits)
     indices = argmax(hits, d)                    (a NaN row has no hit: index 0, as the original)
 
-one more pass over each row behind m and z (in their kernel on CPU). It leaves alone the indices
+one more pass over each row behind m and z (in their kernel on CPU). That formula is how Inductor
+computes the original's probabilities, and how ATen's CPU kernel does, but not with ATen's own
+ops: its softmax kernel has an exp of its own under AVX-512, which `aten.exp` does not round alike.
+So where the rewritten graph runs eagerly (handoff="eager"), the rule reads the softmax op itself,
+the kernel the original ran, at the cost of the full normalised tensor the original made:
+
+    p       = round(softmax(s_in, d));  hits = (p == amax(p, d)) & (the max is not NaN)
+
+It leaves alone the indices
 it cannot reproduce (matcher.py): of a topk that does not return the first of equal values (any
 k > 1), and of a log_softmax on CPU.
 """
@@ -44,19 +52,45 @@ def hits(nodes: Nodes, dims: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -
     int8 returns garbage for an all-zero row, torch 2.13.)"""
 
     def build() -> fx.Node:
+        if nodes.plan.ties_by_op:
+            return _hits_of_the_op(nodes, dims, dtypes)
         m, z = stats(nodes, dims)
         if nodes.plan.cuts(dims):
             x = chunked_c(nodes)
             m, z = (nodes.emit(aten.unsqueeze.default, (n, -1)) for n in (m, z))
         else:
             x = nodes.s_c()
-        rounds = dtypes
-        short = [i for i, dtype in enumerate(rounds) if dtype in HALF]
-        if short:  # compare the bits of the last 16-bit value (widening it after is exact): Inductor
-            rounds = rounds[: short[-1] + 1]  # keeps a bf16/fp16 cast inside a kernel unrounded, not a bitcast
-        p, top = (nodes.round(prob(nodes, n, m, z), rounds) for n in (x, m))
+        short = any(dtype in HALF for dtype in dtypes)
+        p, top = (nodes.round(prob(nodes, n, m, z), _through_last_half(dtypes)) for n in (x, m))
         if short:
             p, top = (nodes.emit(aten.view.dtype, (n, torch.int16)) for n in (p, top))
         return nodes.emit(aten.to.dtype, (nodes.emit(aten.eq.Tensor, (p, top)), torch.int32))
 
     return nodes.once(("hits", tuple(dims), dtypes), build)
+
+
+def _hits_of_the_op(nodes: Nodes, dims: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> fx.Node:
+    """hits from the softmax op's probabilities (see the module docstring), cut into chunks where the
+    plan cuts the reduction (no hit in the padding)."""
+    plan = nodes.plan
+    softmax = aten._log_softmax.default if plan.is_log else aten._softmax.default
+    p = nodes.round(nodes.emit(softmax, (nodes.s_in(), plan.dim, False)), _through_last_half(dtypes))
+    top = nodes.emit(aten.amax.default, (p, list(dims), True))
+    numbers = nodes.emit(aten.eq.Tensor, (top, top))  # False where the max is NaN
+    if any(dtype in HALF for dtype in dtypes):
+        p, top = (nodes.emit(aten.view.dtype, (n, torch.int16)) for n in (p, top))
+    hit = nodes.emit(aten.logical_and.default, (nodes.emit(aten.eq.Tensor, (p, top)), numbers))
+    x = nodes.emit(aten.to.dtype, (hit, torch.int32))
+    if not plan.cuts(dims):
+        return x
+    pad = plan.chunks * plan.chunk - plan.shape[plan.dim]
+    if pad:
+        x = nodes.emit(aten.constant_pad_nd.default, (x, [0, pad], 0))
+    return nodes.emit(aten.view.default, (x, list(plan.shape[:-1]) + [plan.chunks, plan.chunk]))
+
+
+def _through_last_half(dtypes: tuple[torch.dtype, ...]) -> tuple[torch.dtype, ...]:
+    """The casts up to the last 16-bit one, whose bits are compared (widening after it is exact;
+    Inductor keeps a bf16/fp16 cast inside a kernel unrounded, not a bitcast)."""
+    short = [i for i, dtype in enumerate(dtypes) if dtype in HALF]
+    return dtypes[: short[-1] + 1] if short else dtypes

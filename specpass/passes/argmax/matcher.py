@@ -75,7 +75,7 @@ def match(sm: fx.Node, options: Options) -> Match:
     if not found:
         return Match([], None, {})
     try:
-        plan = _softmax(sm, options.argmax_ties == "eager")
+        plan = _softmax(sm, options.argmax_ties == "eager", options.handoff == "eager")
     except Refuse as why:
         return Match(candidates, None, dict.fromkeys(candidates, str(why)))
     accepted: list[Reduction | Gather] = []
@@ -134,7 +134,7 @@ def _position(node: fx.Node) -> int:
     return next(i for i, n in enumerate(node.graph.nodes) if n is node)
 
 
-def _softmax(sm: fx.Node, eager_ties: bool) -> Plan:
+def _softmax(sm: fx.Node, eager_ties: bool, run_eagerly: bool) -> Plan:
     """The softmax's part of the plan: what it consumed, in which dtype, and how it is read."""
     args = bind(sm)
     s, out = args["self"], val(sm)
@@ -153,7 +153,7 @@ def _softmax(sm: fx.Node, eager_ties: bool) -> Plan:
     return Plan(softmax=sm, s=s, is_log=_SOFTMAX[sm.target], dim=dim, shape=shape, out_dtype=out.dtype,
                 device=out.device, cast_to=cast_to,
                 compute_dtype=torch.float32 if out.dtype in HALF else out.dtype, eager_ties=eager_ties,
-                one_pass=reads_one_pass, prologue=prologue, unfolded=unfolded)
+                ties_by_op=eager_ties and run_eagerly, one_pass=reads_one_pass, prologue=prologue, unfolded=unfolded)
 
 
 def _check(plan: Plan, consumer: fx.Node) -> tuple[list[int], int]:

@@ -80,6 +80,7 @@ class Plan:
     cast_to: torch.dtype | None  # softmax's dtype= where it is not s's: s_in = s.to(cast_to), else s
     compute_dtype: torch.dtype  # of m, z and the values: f32 for a 16-bit softmax, as its kernels
     eager_ties: bool  # argmax_ties="eager"
+    ties_by_op: bool  # ... with the graph run eagerly: the tie rule reads the softmax op's own probabilities
     one_pass: bool  # k = 1 consumers and gathers read top1_lse (one_pass.py)
     prologue: Prologue | None  # folded into top1_lse's read (prologue.py)
     unfolded: str  # why a prologue was not folded ("" where there was none to fold)
