@@ -6,6 +6,12 @@
     python -m benchmarks.cold_start --device cuda --dtype bfloat16 --compilers specpass transformers \
         --new-batch-sizes 3,1 --warm
 
+`--pair width8b --layers N`: a transformers Llama of random weights at Llama-3-8B's width, N layers deep,
+with a one-layer draft of that width (how the first call grows with depth; issue 46):
+
+    python -m benchmarks.cold_start --device cuda --dtype bfloat16 --compilers specpass transformers \
+        --pair width8b --layers 32 --prompts 4 --new-tokens 128
+
 `--warm` runs each compiler a second time in another fresh process with the first one's caches
 (torch's Inductor cache and specpass's compile cache, which lives inside it): a user's second run.
 
@@ -78,6 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--round", choices=["fused", "apart"], help="default: fused on a GPU, apart on a CPU")
+    parser.add_argument("--pair", choices=["shipped", "width8b"], default="shipped",
+                        help="width8b: a transformers Llama of random weights at Llama-3-8B's width, --layers deep, "
+                             "with a one-layer draft of that width")
+    parser.add_argument("--layers", type=int, default=8, help="width8b: the target's decoder layers")
     parser.add_argument("--compilers", nargs="+", choices=COMPILERS, default=["specpass", "inductor"])
     parser.add_argument("--new-batch-sizes", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
                         help="after the second call, a call at each of these batch sizes, then again")
@@ -136,7 +146,8 @@ def first_and_second_call(args: argparse.Namespace, compiler: str) -> dict:
     def hf(path):
         return LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
 
-    model, draft = hf(TARGET), hf(DRAFT)
+    model, draft = (hf(TARGET), hf(DRAFT)) if args.pair == "shipped" else (random_llama(args.layers, device, dtype),
+                                                                           random_llama(1, device, dtype))
     texts = load_prompts()
     fused = None if args.round is None else args.round == "fused"
     ours = SpecpassSeconds()
@@ -163,11 +174,27 @@ def first_and_second_call(args: argparse.Namespace, compiler: str) -> dict:
     torch_seconds = harness.compile_seconds()
     second = call(args.prompts)
     new_batch = {str(batch): [call(batch), call(batch)] for batch in args.new_batch_sizes}
-    env = harness.environment(device, dtype, threads=torch.get_num_threads())
+    env = harness.environment(device, dtype, threads=torch.get_num_threads(), pair=args.pair,
+                              layers=args.layers if args.pair == "width8b" else None)
     return ColdRow(env=env, variant=compiler, first_s=first, first_cpu_s=first_cpu, second_s=second,
                    new_batch_s=new_batch, graphs=harness.graphs_compiled(),
                    parts=parts(first, torch_seconds, ours.by_part),
                    specpass=dict(ours.by_part), compiler_calls_s=torch_seconds.get("compile_file", 0.0)).asdict()
+
+
+def random_llama(layers: int, device, dtype):
+    """A transformers Llama at Llama-3-8B's width (hidden 4096, 32/8 heads, MLP 14336, vocabulary 128256) with
+    random weights, `layers` deep: a first call's compile at a real model's width, without its weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                         rope_theta=500000.0, attn_implementation="sdpa", bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype).eval()
 
 
 def cpu_seconds() -> float:

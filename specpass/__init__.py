@@ -4,6 +4,7 @@
     torch.compile(draft_step, backend="specpass")               # entry point
     torch.compile(draft_step, backend=specpass.backend(q_slice=False))
     print(specpass.explain(draft_step, *args))                  # what the passes would do
+    specpass.mark_repeated_blocks(model)                        # its decoder layers compiled once
     draft = specpass.load_drafter("eagle3-dir", hf_model)       # a public EAGLE-3 / P-EAGLE checkpoint
     out = specpass.generate(hf_model, input_ids, assistant_model=draft, max_new_tokens=64)  # transformers
     program = specpass.export(step_module, args)                # torch.export, rewritten
@@ -22,6 +23,7 @@ from specpass.loop.distributed import destroy_process_group
 from specpass.options import Options
 from specpass.passes.row_rules import register_row_rule
 from specpass.pipeline import PASSES, RewriteResult, explain, rewrite
+from specpass.repeated_blocks import mark_repeated_blocks
 from specpass.report import Finding, Report
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "export",
     "generate",
     "load_drafter",
+    "mark_repeated_blocks",
     "register_row_rule",
     "rewrite",
 ]

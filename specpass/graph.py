@@ -157,7 +157,10 @@ def set_val(node: fx.Node) -> None:
 
 
 def is_mutation(node: fx.Node) -> bool:
-    """An in-place op (KV write, `add_`, `copy_`): it changes an existing tensor."""
+    """An in-place op (KV write, `add_`, `copy_`): it changes an existing tensor. A region call
+    whose body writes one of its inputs is one too (it writes that operand)."""
+    if is_region_call(node):
+        return bool(region_written_operands(node))
     return (
         node.op == "call_function"
         and isinstance(node.target, torch._ops.OpOverload)
@@ -176,6 +179,8 @@ def is_impure(node: fx.Node) -> bool:
         dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
         if dropout == 0.0:
             return False
+    if is_region_call(node) and is_mutation(node):
+        return True  # FX calls every invoke_subgraph pure: one that writes a KV cache is not
     return node.is_impure()
 
 
@@ -206,7 +211,10 @@ def storage(node: Any) -> StorageWeakRef | None:
 
 
 def written_storages(node: fx.Node) -> set[StorageWeakRef]:
-    """The storages an in-place node writes (its schema's mutable arguments)."""
+    """The storages an in-place node writes (its schema's mutable arguments; a region call's
+    operands that its body writes)."""
+    if is_region_call(node):
+        return {storage(a) for a in region_written_operands(node) if storage(a) is not None}
     out = set()
     for name, arg in bind(node).items():
         schema_arg = next(a for a in node.target._schema.arguments if a.name == name)
@@ -219,6 +227,82 @@ def is_written_in_place(node: fx.Node) -> bool:
     """Does any in-place op of the graph write the node's storage (the node or a view of it)?"""
     s = storage(node)
     return s is not None and any(s in written_storages(n) for n in node.graph.nodes if is_mutation(n))
+
+
+# ----------------------------------------------------------------------------- region calls
+# `torch.compiler.nested_compile_region` code (a decoder layer marked by
+# `specpass.mark_repeated_blocks`) is traced once into a body that every call shares:
+#
+#     %body = get_attr[target=repeated_subgraph0]
+#     %call = invoke_subgraph(%body, "subgraph_0", %x, %q_proj_weight, ..., %k_cache, ...)
+#     %out = getitem(%call, 0)
+#
+# The body is an IR graph of its own (placeholders with fake values, KV writes in place on them):
+# the pipeline rewrites each distinct body once and Inductor compiles it once. A body's in-place
+# write of its placeholder i writes the call's operand i.
+
+REGION = torch.ops.higher_order.invoke_subgraph
+_OPERANDS = 2  # invoke_subgraph(body, identifier, *operands)
+
+
+def is_region_call(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is REGION
+
+
+def region_body(node: fx.Node) -> fx.GraphModule:
+    """The body a region call runs: the submodule of its graph's module that its first argument names."""
+    attr, owner = node.args[0], node.graph.owning_module
+    if owner is None or not isinstance(attr, fx.Node) or attr.op != "get_attr":
+        raise ValueError(f"{node.name} names no body of its graph module")
+    return operator.attrgetter(attr.target)(owner)
+
+
+def region_operands(node: fx.Node) -> tuple:
+    return node.args[_OPERANDS:]
+
+
+_WRITTEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # body graph -> written placeholder indices
+
+
+def region_written_inputs(body: fx.GraphModule) -> frozenset[int]:
+    """The indices of a body's placeholders that it writes in place (a view of one shares its
+    storage), read once per body graph."""
+    written = _WRITTEN.get(body.graph)
+    if written is None:
+        storages = set().union(*[written_storages(n) for n in body.graph.nodes if is_mutation(n)])
+        written = frozenset(i for i, p in enumerate(body.graph.find_nodes(op="placeholder"))
+                            if storage(p) is not None and storage(p) in storages)
+        _WRITTEN[body.graph] = written
+    return written
+
+
+def region_written_operands(node: fx.Node) -> list[fx.Node]:
+    written = region_written_inputs(region_body(node))
+    return [a for i, a in enumerate(region_operands(node)) if i in written and isinstance(a, fx.Node)]
+
+
+def inline_region(node: fx.Node) -> bool:
+    """Replace a region call by a copy of its body, in place, each copied node's value computed from
+    the call's operands (the body's values are of its own placeholders, whose storages are not the
+    operands'). False, and nothing changed, where the body reads attributes of its own (constants,
+    nested bodies) that the graph does not hold, or the call is read other than by getitem."""
+    body = region_body(node)
+    if body.graph.find_nodes(op="get_attr") or any(u.target is not operator.getitem for u in node.users):
+        return False
+    graph = node.graph
+    env: dict[fx.Node, Any] = dict(zip(body.graph.find_nodes(op="placeholder"), region_operands(node)))
+    with graph.inserting_before(node):
+        for n in body.graph.nodes:
+            if n.op not in ("placeholder", "output"):
+                env[n] = graph.node_copy(n, env.__getitem__)
+                env[n].meta = {k: v for k, v in n.meta.items() if k != "val"}
+                set_val(env[n])
+    results = fx.node.map_arg(body.graph.output_node().args[0], env.__getitem__)
+    for user in list(node.users):
+        user.replace_all_uses_with(results[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
+    return True
 
 
 # ----------------------------------------------------------------------------- local writes

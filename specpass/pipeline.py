@@ -28,8 +28,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from specpass.capture import capture
-from specpass.graph import (SCALAR_READS, is_impure, is_mutation, make_local_writes_functional, same_shape, storage,
-                            written_storages)
+from specpass.graph import (SCALAR_READS, is_impure, is_mutation, is_region_call, make_local_writes_functional,
+                            region_body, region_operands, same_shape, storage, written_storages)
 from specpass.options import Options
 from specpass.passes import argmax, gqa, live_rows, split_kv, topk_sort
 from specpass.report import Finding, Report, graph_matmul_flops
@@ -105,11 +105,34 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
             continue
         report.findings.extend(findings)
         current = candidate
+    current = _rewrite_bodies(current, options, report)
     with report.timed("report/flops"):
         report.matmul_flops = (graph_matmul_flops(gm), graph_matmul_flops(current))
     with report.timed("report/code"):
         rewritten = fx.GraphModule(current, current.graph, class_name=type(gm).__name__)  # its code, once
     return RewriteResult(rewritten, report)
+
+
+def _rewrite_bodies(gm: fx.GraphModule, options: Options, report: Report) -> fx.GraphModule:
+    """Each distinct region body the graph still calls (a repeated decoder layer), rewritten once by
+    the same pipeline, serves every call. After the graph's own passes, so that a call they inlined
+    (the live rows of the last layer) was a copy of the body as captured, rewritten with the graph
+    around it. A body's findings are named `body.node`, once each, with how many calls run it (`calls`)."""
+    calls = Counter(n.args[0].target for n in gm.graph.nodes if is_region_call(n))
+    if not calls:
+        return gm
+    rewritten = _copy(gm)  # the body attributes are set on a copy: `gm` keeps the bodies as captured
+    for name, count in calls.items():
+        result = run_passes(operator.attrgetter(name)(gm), options)
+        setattr(rewritten, name, result.graph_module)
+        report.findings += [dataclasses.replace(f, where=", ".join(f"{name}.{n}" for n in f.nodes),
+                                                calls=count * max(f.calls, 1))
+                            for f in result.report.findings if f.where != "graph"]  # (notes on the step, not a body)
+        report.errors += [f"{name}: {e}" for e in result.report.errors]
+        for part, seconds in result.report.seconds.items():
+            report.seconds[f"bodies/{part.partition('/')[0]}"] = \
+                report.seconds.get(f"bodies/{part.partition('/')[0]}", 0.0) + seconds
+    return rewritten
 
 
 def _reported_twice(findings: list[Finding]) -> list[str]:
@@ -256,13 +279,23 @@ def _signature(gm: fx.GraphModule) -> tuple[list[Any], list[Any]]:
 
 def _written_buffers(gm: fx.GraphModule) -> list[tuple[Any, tuple[str, ...]]]:
     """Each in-place write in order, with the buffers it writes: named by the first node holding
-    their storage (a graph input's name; a view of it has the same storage)."""
+    their storage (a graph input's name; a view of it has the same storage). A region call's are its
+    body's, on the operands (so inlining a call keeps them)."""
     owners: dict[Any, str] = {}
     for node in gm.graph.nodes:
         if storage(node) is not None:
             owners.setdefault(storage(node), node.name)
-    return [(n.target, tuple(sorted(owners.get(s, "?") for s in written_storages(n))))
-            for n in gm.graph.nodes if is_mutation(n)]
+    writes = []
+    for n in gm.graph.nodes:
+        if is_region_call(n) and is_mutation(n):
+            body = region_body(n)
+            names = {p.name: owners.get(storage(a), "?") for p, a in
+                     zip(body.graph.find_nodes(op="placeholder"), region_operands(n)) if isinstance(a, fx.Node)}
+            writes += [(op, tuple(sorted(names.get(b, "?") for b in written)))
+                       for op, written in _written_buffers(body)]
+        elif is_mutation(n):
+            writes.append((n.target, tuple(sorted(owners.get(s, "?") for s in written_storages(n)))))
+    return writes
 
 
 def _out_sig(arg: Any) -> Any:

@@ -12,7 +12,7 @@ import torch
 import torch.fx as fx
 
 from specpass import kernels  # noqa: F401  (registers torch.ops.specpass.*, counted below)
-from specpass.graph import val
+from specpass.graph import is_region_call, region_body, val
 
 aten = torch.ops.aten
 
@@ -27,6 +27,7 @@ class Finding:
     message: str
     rows: tuple[int, int] | None = None  # token rows computed before -> after
     matmul_flops: tuple[int, int] | None = None  # before -> after, for the nodes involved
+    calls: int = 0  # in a region body (`where` is "body.node"): how many calls run it; 0 outside one
 
     @property
     def nodes(self) -> list[str]:
@@ -34,7 +35,7 @@ class Finding:
 
     def __str__(self) -> str:
         head = f"[{self.pass_name}] {'rewrote' if self.fired else 'left alone'} {self.where}: {self.message}"
-        extras = []
+        extras = [f"a region body: {self.calls} call{'s' if self.calls > 1 else ''} run it"] if self.calls else []
         if self.rows is not None:
             extras.append(f"rows {self.rows[0]} -> {self.rows[1]}")
         if self.matmul_flops is not None:
@@ -155,4 +156,6 @@ def node_matmul_flops(node: fx.Node) -> int:
 
 
 def graph_matmul_flops(gm: fx.GraphModule) -> int:
-    return sum(node_matmul_flops(n) for n in gm.graph.nodes)
+    """The graph's matmul FLOPs, a region body's counted once per call."""
+    return sum(graph_matmul_flops(region_body(n)) if is_region_call(n) else node_matmul_flops(n)
+               for n in gm.graph.nodes)

@@ -12,6 +12,8 @@ shape and dtype of its `meta["val"]`, so a test pins the row counts a rewrite pr
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 import torch
@@ -113,3 +115,8 @@ _CONTRACTED = {  # op -> the operands whose every row it reads for each output r
     torch.ops.aten.scaled_dot_product_attention.default: (1, 2), torch.ops.aten.mm.default: (1,),
     torch.ops.aten.bmm.default: (1,), torch.ops.aten.matmul.default: (1,), torch.ops.aten.baddbmm.default: (2,),
 }
+
+
+def calls_rewritten(lines: list[str]) -> int:
+    """How many calls the printed findings cover: one each, a region body's the calls that run it."""
+    return sum(int(m.group(1)) if (m := re.search(r"a region body: (\d+) calls? run it", line)) else 1 for line in lines)

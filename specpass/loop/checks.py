@@ -38,12 +38,13 @@ def check_cache_size(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an int >= 1 (a static cache size), got {value!r}")
 
 
-def check_options(max_batch: Any, max_len: Any, compile: Any, compile_prefill: Any, skip_guards: Any) -> None:
+def check_options(max_batch: Any, max_len: Any, compile: Any, compile_prefill: Any, skip_guards: Any,
+                  regional: Any) -> None:
     check_cache_size("max_batch", max_batch)
     check_cache_size("max_len", max_len)
     if not (compile in COMPILERS if isinstance(compile, str) else callable(compile)):
         raise ValueError(f"compile must be one of {list(COMPILERS)} or a backend callable, got {compile!r}")
-    for name, value in (("compile_prefill", compile_prefill), ("skip_guards", skip_guards)):
+    for name, value in (("compile_prefill", compile_prefill), ("skip_guards", skip_guards), ("regional", regional)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
 

@@ -38,6 +38,7 @@ from specpass.loop.runtime import DoneFlags, PhaseTimer, SymbolicBatch, clock, c
 from specpass.loop.shapes import PLAIN, RoundShape, round_shape
 from specpass.loop.steps import Carry, State, Steps, carried, decode_round, prefill_step
 from specpass.loop.tree import TreeShape, depth
+from specpass.repeated_blocks import mark_repeated_blocks
 from specpass.sampling import Params, per_request
 
 
@@ -118,6 +119,9 @@ class Decoder:
       checked equal across ranks (`specpass.loop.distributed`). A group of one runs as one process.
     check_ranks: with a group, also compare the ranks' state after every round (a debug mode: one
       small all-reduce per round, no host sync; a divergence names the first round that differed).
+    regional: compile each repeated block of the models (their decoder layers) once, not once per
+      layer and step (`specpass.mark_repeated_blocks`: it marks the models' layers, which run as
+      before in eager mode). False compiles every layer inline.
 
     Decoding, and its parts for benchmarks (every one the same code `generate` runs):
       dec.generate(prompts, max_new_tokens, ...) -> Output     the whole loop, metrics included
@@ -137,10 +141,10 @@ class Decoder:
     def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int | TreeShape = 4, max_batch: int,
                  max_len: int, compile: str | Callable = "specpass", mode: str | None = None,
                  fused_round: bool = False, greedy_drafts: bool = False, compile_prefill: bool = True,
-                 skip_guards: bool = True, group: Any = None, check_ranks: bool = False):
+                 skip_guards: bool = True, group: Any = None, check_ranks: bool = False, regional: bool = True):
         check_models(target, drafter)
         check_k(drafter, k if drafter is not None else 0)  # before any cache is allocated (`use_k` below)
-        check_options(max_batch, max_len, compile, compile_prefill, skip_guards)
+        check_options(max_batch, max_len, compile, compile_prefill, skip_guards, regional)
         check_ranks_option(group, check_ranks)
         self.target, self.drafter = target, drafter
         self.max_batch, self.max_len = max_batch, max_len
@@ -152,8 +156,13 @@ class Decoder:
         self.greedy_drafts = greedy_drafts
         self.skip_guards = skip_guards
         self._setup_caches(max_batch)
+        if regional and compile != "eager":
+            for model in (target, drafter):
+                if isinstance(model, torch.nn.Module):
+                    mark_repeated_blocks(model)
         self._hidden_kind = drafter.hidden_kind if drafter is not None else None
         self._batch = SymbolicBatch()
+        self._batch.capacity = self.max_batch
         self._wrap = compiler(compile, mode, self._batch)
         self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, self._batch)
         self._bound: dict[int, Bound] = {}  # K -> its steps and compiled forms (`use_k` switches K)
@@ -167,6 +176,8 @@ class Decoder:
             self.drafter.setup_caches(max_batch, self.max_len)
         self.vocab_size = probe(self.target, self.drafter, max_batch, self.device, self.ranks)
         self.max_batch = max_batch
+        if hasattr(self, "_batch"):
+            self._batch.capacity = max_batch
 
     def reserve(self, requests: int) -> None:
         """Caches for at least `requests` requests (grown, never shrunk). Their capacity is static in

@@ -29,7 +29,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from specpass.graph import SCALAR_READS, known, val
+from specpass.graph import SCALAR_READS, inline_region, is_region_call, known, val
 from specpass.options import Options
 from specpass.passes.live_rows.emission import emit_live_rows
 from specpass.passes.live_rows.gathers import Candidate, read_gather
@@ -47,6 +47,7 @@ NAME = "live_rows"
 def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
     """Move every row gather as far up as it is exact; report what moved and what stayed."""
     work = gm.graph.__deepcopy__()  # left unused (and gm untouched) if nothing fires
+    work.owning_module = gm  # where region calls find their bodies
     prog = Program(work)
     candidates: dict[fx.Node, Candidate] = {}
     findings: list[Finding] = []
@@ -60,6 +61,10 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
             candidates[node] = candidate
     prog.refresh()
     live = analyse(prog, candidates, options)
+    while _inline_calls_reached(live):  # the selection reaches a region's output: into its body
+        prog.refresh()
+        candidates = {node: c for node in candidates if (c := read_gather(prog, node))}  # sources may be inlined
+        live = analyse(prog, candidates, options)
     splits = []
     while options.split_projections:
         cut = split_fused(prog, live, candidates, options)
@@ -82,6 +87,14 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
         gm.graph = work
         gm.recompile()
     return findings
+
+
+def _inline_calls_reached(live: Liveness) -> bool:
+    """Inline each region call (a repeated layer compiled once) whose outputs are asked for on
+    selected rows only: the body is shared by every call, so the selection can move into this
+    call's copy alone (the last layer's, up to its KV write). -> whether any was inlined."""
+    calls = {n.args[0] if n.target is operator.getitem else n for n, spec in live.asked.items() if spec != FULL}
+    return any([inline_region(c) for c in calls if isinstance(c, fx.Node) and is_region_call(c)])
 
 
 def _selects_rows(gather: fx.Node, candidate: Candidate) -> bool:

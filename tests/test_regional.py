@@ -1,0 +1,169 @@
+"""Repeated blocks compiled once (specpass.mark_repeated_blocks, the Decoder's `regional`): a
+deeper target adds no layer body to trace or rewrite, the passes still fire (inside the shared body,
+and in the one call they inline), and the tokens are plain greedy decoding's. fp32, CPU."""
+
+import torch
+import transformers
+
+import specpass
+from models import zoo
+from models.drafters import ZooDrafter
+from models.llama import Llama, LlamaConfig
+from specpass.graph import is_region_call
+from specpass.loop import Decoder
+from specpass.testing import calls_rewritten
+
+PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]
+NEW, MAX_LEN = 12, 40
+
+
+def tiny_llama(layers: int) -> Llama:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    return Llama(config).eval()
+
+
+class Recorder:
+    """specpass's backend (the rewritten graph run eagerly) that keeps what Dynamo handed it and what
+    the passes returned."""
+
+    def __init__(self):
+        self.dynamo, self.rewritten = [], []
+        self.inner = specpass.backend(handoff="eager")
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.dynamo.append(gm)
+        compiled = self.inner(gm, example_inputs, **kwargs)
+        self.rewritten.append(compiled)
+        return compiled
+
+
+def bodies(gms) -> list[tuple[str, ...]]:
+    """The distinct region bodies the graphs call, each as the ops it runs."""
+    called = {getattr(gm, call.args[0].target) for gm in gms for call in gm.graph.nodes if is_region_call(call)}
+    return sorted({tuple(str(n.target) for n in body.graph.nodes if n.op == "call_function") for body in called})
+
+
+def computed(gm) -> int:
+    """Nodes that compute, outside region calls and their results."""
+    return sum(n.op == "call_function" and not is_region_call(n) and not (
+        n.target.__name__ == "getitem" and is_region_call(n.args[0])) for n in gm.graph.nodes)
+
+
+def decode(layers: int, **options):
+    target = tiny_llama(layers)
+    recorder = Recorder()
+    dec = Decoder(target, ZooDrafter(zoo.build("tiny-llama-draft", seed=3)), k=3, max_batch=3, max_len=MAX_LEN,
+                  compile=recorder, **options)
+    return target, dec.generate(PROMPTS, NEW).tokens, recorder
+
+
+def test_depth_adds_no_body_and_no_rewritten_node():
+    """A 3-layer and a 6-layer target: the same layer bodies and the same computing nodes outside them in
+    every graph; only the calls (and the weights they read) grow. (A layer Dynamo traces unlike the
+    others, the first, whose sizes it reads itself, is inlined in both.)"""
+    shallow, deep = (decode(layers, fused_round=True) for layers in (3, 6))
+    assert len(bodies(shallow[2].dynamo)) >= 1
+    assert bodies(shallow[2].dynamo) == bodies(deep[2].dynamo)
+    assert [computed(gm) for gm in shallow[2].rewritten] == [computed(gm) for gm in deep[2].rewritten]
+    for target, tokens, _ in (shallow, deep):
+        plain = Decoder(target, None, max_batch=3, max_len=MAX_LEN, compile="eager").generate(PROMPTS, NEW).tokens
+        assert tokens == plain
+
+
+def test_inline_layers_without_regions():
+    """regional=False compiles every layer inline: no region call, and plain greedy decoding's tokens."""
+    target, tokens, recorder = decode(3, regional=False)
+    assert not bodies(recorder.dynamo)
+    assert tokens == Decoder(target, None, max_batch=3, max_len=MAX_LEN, compile="eager").generate(PROMPTS, NEW).tokens
+
+
+def test_marking_is_structural_and_leaves_eager_alone():
+    model = tiny_llama(3)
+    x, positions = torch.tensor([[1, 2, 3]]), torch.arange(3)[None]
+    model.setup_caches(1, 8)
+    with torch.no_grad():
+        before = model(x, positions)
+    assert specpass.mark_repeated_blocks(model) == 3
+    assert specpass.mark_repeated_blocks(model) == 3  # idempotent
+    assert all("forward" in layer.__dict__ for layer in model.model.layers)
+    with torch.no_grad():
+        assert torch.equal(model(x, positions), before)
+    lone = tiny_llama(1)
+    assert specpass.mark_repeated_blocks(lone) == 0  # one layer repeats nothing
+    mixed = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)])
+    assert specpass.mark_repeated_blocks(mixed) == 2  # the two of one shape
+
+
+class OwnCache(torch.nn.Module):
+    """A layer that writes a cache buffer of its own in place (torch 2.13's body reuse stamped out the
+    first layer's buffer for every later layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(2, 8))
+
+    def forward(self, x, pos):
+        self.cache.index_copy_(1, pos, x)
+        return x + self.cache.sum(1, keepdim=True)
+
+
+def test_each_call_writes_its_own_layer_s_buffers():
+    stack, reference = (torch.nn.ModuleList([OwnCache() for _ in range(3)]) for _ in range(2))
+    specpass.mark_repeated_blocks(stack)
+
+    def run(layers, x, pos):
+        for layer in layers:
+            x = layer(x, pos)
+        return x
+
+    x, pos = torch.randn(2, 3), torch.tensor([1, 4, 6])
+    with torch.no_grad():
+        want = run(reference, x, pos)
+        got = torch.compile(run, backend=specpass.backend(handoff="eager"), fullgraph=True)(stack, x, pos)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a.cache, b.cache) for a, b in zip(stack, reference, strict=True))
+
+
+def test_live_rows_inline_the_last_call():
+    """The last-position slice after a marked stack: the gather moves into the last layer's call, inlined,
+    up to its KV write, as in the stack compiled inline; the other layers stay one shared body."""
+    flat, marked = tiny_llama(3), tiny_llama(3)
+    specpass.mark_repeated_blocks(marked)
+    reports = []
+    for model in (flat, marked):
+        model.setup_caches(2, 16)
+        tokens, positions = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.arange(3).expand(2, 3)
+        with torch.no_grad():
+            gm = specpass.capture(lambda t, p: model(t, p)[:, -1], tokens, positions)
+        result = specpass.rewrite(gm)
+        reports.append(result.report)
+    (flat_rows,), (marked_rows,) = (r.of("live_rows") for r in reports)
+    assert marked_rows.fired and marked_rows.rows == flat_rows.rows
+    assert reports[1].matmul_flops == reports[0].matmul_flops
+    calls = [n for n in result.graph_module.graph.nodes if is_region_call(n)]
+    assert len(calls) == 2  # layers 0 and 1; layer 2 inlined
+
+
+def _hf_llama(layers):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_transformers_target_through_generate():
+    """specpass.generate: the verify's grouped-query rewrite covers every layer, most of them through
+    the one body their calls share, and the tokens are transformers' own greedy generate's."""
+    model, draft = _hf_llama(3), _hf_llama(1)
+    ids = torch.tensor([[0, 0, 5, 17, 33], [8, 41, 9, 60, 12]])
+    mask = (ids != 0).long()
+    out = specpass.generate(model, ids, attention_mask=mask, assistant_model=draft, max_new_tokens=8,
+                            num_assistant_tokens=3, compile=specpass.backend(handoff="eager"),
+                            return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+    fired = [line for line in out.rewrites["verify"] if line.startswith("[gqa] rewrote")]
+    assert calls_rewritten(fired) == 3, fired
+    assert any("repeated_subgraph" in line for line in fired), fired
