@@ -11,7 +11,8 @@ forward runs as it did.
 The rule is structural, not a list of classes: in every `nn.ModuleList` of the model, children of
 one class whose parameters and buffers have the same names, shapes and dtypes repeat. Each gets,
 as an instance attribute, its class's forward wrapped once per class, so that every call is the
-same marked function (what Dynamo reuses). Inside a marked block nothing more is marked.
+same marked function (Dynamo keeps one body for the calls that trace alike). Inside a marked block
+nothing more is marked.
 """
 
 from __future__ import annotations
