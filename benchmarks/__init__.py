@@ -12,6 +12,7 @@
     prefill           time to first token and peak memory of the loop's prefill
     acceptance        acceptance per draft position of trained drafters (CPU)
     round_host        host time of a compiled round outside its kernels (CPU)
+    region_compile    torch's compile parts of a layer stack, its layers compiled once or inline
 
 harness.py is what they share: timing, the environment record, Dynamo's limits, the GPU lock, rows.
 """
