@@ -1,9 +1,9 @@
 """Repeated blocks compiled once (specpass.mark_repeated_blocks, the Decoder's `regional`): a
 deeper target adds no layer body to trace or rewrite, the passes still fire (inside the shared body,
-and in the one call they inline), and the tokens are plain greedy decoding's. fp32, CPU."""
+and in the one call they inline), and the tokens are plain greedy decoding's (a transformers target:
+tests/test_gqa.py). fp32, CPU."""
 
 import torch
-import transformers
 
 import specpass
 from models import zoo
@@ -11,7 +11,6 @@ from models.drafters import ZooDrafter
 from models.llama import Llama, LlamaConfig
 from specpass.graph import is_region_call
 from specpass.loop import Decoder
-from specpass.testing import calls_rewritten
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]
 NEW, MAX_LEN = 12, 40
@@ -144,26 +143,3 @@ def test_live_rows_inline_the_last_call():
     assert reports[1].matmul_flops == reports[0].matmul_flops
     calls = [n for n in result.graph_module.graph.nodes if is_region_call(n)]
     assert len(calls) == 2  # layers 0 and 1; layer 2 inlined
-
-
-def _hf_llama(layers):
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=layers,
-                                      num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                                      max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
-def test_transformers_target_through_generate():
-    """specpass.generate: the verify's grouped-query rewrite covers every layer, most of them through
-    the one body their calls share, and the tokens are transformers' own greedy generate's."""
-    model, draft = _hf_llama(3), _hf_llama(1)
-    ids = torch.tensor([[0, 0, 5, 17, 33], [8, 41, 9, 60, 12]])
-    mask = (ids != 0).long()
-    out = specpass.generate(model, ids, attention_mask=mask, assistant_model=draft, max_new_tokens=8,
-                            num_assistant_tokens=3, compile=specpass.backend(handoff="eager"),
-                            return_dict_in_generate=True)
-    assert torch.equal(out.sequences, model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
-    fired = [line for line in out.rewrites["verify"] if line.startswith("[gqa] rewrote")]
-    assert calls_rewritten(fired) == 3, fired
-    assert any("repeated_subgraph" in line for line in fired), fired
