@@ -130,8 +130,8 @@ def _rewrite_bodies(gm: fx.GraphModule, options: Options, report: Report) -> fx.
                             for f in result.report.findings if f.where != "graph"]  # (notes on the step, not a body)
         report.errors += [f"{name}: {e}" for e in result.report.errors]
         for part, seconds in result.report.seconds.items():
-            report.seconds[f"bodies/{part.partition('/')[0]}"] = \
-                report.seconds.get(f"bodies/{part.partition('/')[0]}", 0.0) + seconds
+            part = f"bodies/{part.partition('/')[0]}"
+            report.seconds[part] = report.seconds.get(part, 0.0) + seconds
     return rewritten
 
 

@@ -162,7 +162,6 @@ class Decoder:
                     mark_repeated_blocks(model)
         self._hidden_kind = drafter.hidden_kind if drafter is not None else None
         self._batch = SymbolicBatch()
-        self._batch.capacity = self.max_batch
         self._wrap = compiler(compile, mode, self._batch)
         self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, self._batch)
         self._bound: dict[int, Bound] = {}  # K -> its steps and compiled forms (`use_k` switches K)
@@ -176,8 +175,6 @@ class Decoder:
             self.drafter.setup_caches(max_batch, self.max_len)
         self.vocab_size = probe(self.target, self.drafter, max_batch, self.device, self.ranks)
         self.max_batch = max_batch
-        if hasattr(self, "_batch"):
-            self._batch.capacity = max_batch
 
     def reserve(self, requests: int) -> None:
         """Caches for at least `requests` requests (grown, never shrunk). Their capacity is static in
@@ -457,7 +454,7 @@ class Decoder:
         tokens = torch.zeros(B, P + 1, dtype=torch.long, device=device)  # [B, P+1]: prompt, then x_n
         tokens[: len(prompts), :P] = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], device=device)
         torch._dynamo.maybe_mark_dynamic(tokens, 1)  # one graph for every prompt length
-        with self._batch.marking(B):
+        with self._batch.marking(B, self.max_batch):
             first, carry = self._bound[self._k].prefill(tokens, lengths, params)
 
         limit = torch.tensor(limits + [0] * idle, device=device)
@@ -492,7 +489,7 @@ class Decoder:
         with contextlib.ExitStack() as unguarded:
             for number in itertools.count(1):
                 # Rounds 1 and 2 may compile (every guard runs): their batch is marked symbolic.
-                with self._batch.marking(len(state.last)) if number <= 2 else contextlib.nullcontext():
+                with self._batch.marking(len(state.last), self.max_batch) if number <= 2 else contextlib.nullcontext():
                     state, carry, finished = run_round(state, carry, params)
                 if check is not None:  # every rank stops after the same round, even diverged: no hang
                     tensors = (state.last, state.pos, state.out, state.count, state.done, state.stats)

@@ -51,17 +51,16 @@ class SymbolicBatch:
 
     Size 1 is not marked: Dynamo specializes sizes 0 and 1, so `Decoder` runs a batch of one in two
     rows (one idle) when its caches hold two or more, and only a capacity of 1 compiles for 1. Caches of
-    two rows (`capacity`) mark nothing either: the graph reads `cache[:B]`, so B can only be 2, and
+    two rows (`capacity` 2) mark nothing either: the graph reads `cache[:B]`, so B can only be 2, and
     Dynamo would pin the symbol to 2 mid-trace (torch 2.13 then fails to reuse a repeated layer's
     body whose inputs it had bound to the symbol)."""
 
     def __init__(self) -> None:
         self.rows: int | None = None
-        self.capacity: int | None = None  # the caches' rows: a batch can be no larger
 
     @contextlib.contextmanager
-    def marking(self, rows: int) -> Iterator[None]:
-        self.rows = rows if rows >= 2 and (self.capacity or 3) > 2 else None
+    def marking(self, rows: int, capacity: int) -> Iterator[None]:
+        self.rows = rows if rows >= 2 and capacity > 2 else None
         try:
             yield
         finally:

@@ -48,15 +48,16 @@ def plan_chunks(shape: tuple, dim: int, stats: bool) -> tuple[int, int]:
 
 def chunked(nodes: Nodes) -> fx.Node:
     """s_in as [..., chunks, chunk], padded with -inf (never the max, exp(-inf) = 0)."""
+    return nodes.once("xs", lambda: cut(nodes, nodes.s_in(), float("-inf")))
+
+
+def cut(nodes: Nodes, x: fx.Node, fill: float) -> fx.Node:
+    """x [..., V] along the softmax's axis as [..., chunks, chunk], the padding `fill`."""
     plan = nodes.plan
-
-    def build() -> fx.Node:
-        x, pad = nodes.s_in(), plan.chunks * plan.chunk - plan.shape[plan.dim]
-        if pad:
-            x = nodes.emit(aten.constant_pad_nd.default, (x, [0, pad], float("-inf")))
-        return nodes.emit(aten.view.default, (x, list(plan.shape[:-1]) + [plan.chunks, plan.chunk]))
-
-    return nodes.once("xs", build)
+    pad = plan.chunks * plan.chunk - plan.shape[plan.dim]
+    if pad:
+        x = nodes.emit(aten.constant_pad_nd.default, (x, [0, pad], fill))
+    return nodes.emit(aten.view.default, (x, list(plan.shape[:-1]) + [plan.chunks, plan.chunk]))
 
 
 def chunked_c(nodes: Nodes) -> fx.Node:

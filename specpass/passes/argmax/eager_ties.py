@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from specpass.passes.argmax.chunks import chunk_argmax, chunked_c
+from specpass.passes.argmax.chunks import chunk_argmax, chunked_c, cut
 from specpass.passes.argmax.fused import prob, stats
 from specpass.passes.argmax.nodes import Nodes
 from specpass.passes.argmax.plan import HALF, Reduction
@@ -81,12 +81,7 @@ def _hits_of_the_op(nodes: Nodes, dims: tuple[int, ...], dtypes: tuple[torch.dty
         p, top = (nodes.emit(aten.view.dtype, (n, torch.int16)) for n in (p, top))
     hit = nodes.emit(aten.logical_and.default, (nodes.emit(aten.eq.Tensor, (p, top)), numbers))
     x = nodes.emit(aten.to.dtype, (hit, torch.int32))
-    if not plan.cuts(dims):
-        return x
-    pad = plan.chunks * plan.chunk - plan.shape[plan.dim]
-    if pad:
-        x = nodes.emit(aten.constant_pad_nd.default, (x, [0, pad], 0))
-    return nodes.emit(aten.view.default, (x, list(plan.shape[:-1]) + [plan.chunks, plan.chunk]))
+    return cut(nodes, x, 0) if plan.cuts(dims) else x
 
 
 def _through_last_half(dtypes: tuple[torch.dtype, ...]) -> tuple[torch.dtype, ...]:
