@@ -13,7 +13,8 @@ with a one-layer draft of that width (how the first call grows with depth; issue
         --pair width8b --layers 32 --prompts 4 --new-tokens 128
 
 `--warm` runs each compiler a second time in another fresh process with the first one's caches
-(torch's Inductor cache and specpass's compile cache, which lives inside it): a user's second run.
+(torch's Inductor cache, and specpass's compile cache and saved steps, which live inside it): a user's
+second run.
 
 The shipped pair loaded by transformers (checkpoints/stdlib-llama and its standalone draft
 stdlib-llama-draft), greedy, `--prompts` held-out prompts left-padded, `--new-tokens` per request, K

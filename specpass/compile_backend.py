@@ -7,6 +7,7 @@ warning that says which and why.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -14,6 +15,7 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -46,12 +48,12 @@ def backend(**options: Any) -> Callable[..., Callable]:
         _log_to_stderr_if_asked()
         name, start = step_name(gm), time.perf_counter()
         log.info("specpass: compiling %s (%d nodes)", name, len(gm.graph.nodes))
-        compiled = rewrite_and_hand_off(gm, example_inputs, mode, options)
+        compiled = rewrite_and_hand_off(gm, example_inputs, mode, options, name)
         log.info("specpass: compiled %s in %.1f s", name, time.perf_counter() - start)
         return compiled
 
     def rewrite_and_hand_off(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None,
-                             options: dict[str, Any] | None) -> Callable:
+                             options: dict[str, Any] | None, name: str) -> Callable:
         inductor_options = dict(options or {})
         ours = {k: inductor_options.pop(k) for k in list(inductor_options) if k in Options.names()}
         opts = Options.make(**{**dataclasses.asdict(base), **ours}) if ours else base
@@ -91,7 +93,7 @@ def backend(**options: Any) -> Callable[..., Callable]:
         for error in result.report.errors:
             _warn(error)
         try:
-            log_report(result.report)
+            log_report(result.report, name)
         except Exception as exc:  # a report that cannot be printed is a bug, not the model's problem
             _warn(f"specpass could not log its report ({type(exc).__name__}: {exc}); the graph is compiled as rewritten")
         if not result.report.rewrites:
@@ -183,12 +185,29 @@ def _log_to_stderr_if_asked() -> None:
         log.setLevel(logging.INFO)
 
 
-def log_report(report: Report) -> None:
+_collectors: list[list[tuple[str, Report]]] = []
+
+
+@contextlib.contextmanager
+def collecting_reports() -> Iterator[list[tuple[str, Report]]]:
+    """(step name, report) of every graph compiled in the block, and of every saved step loaded
+    (`specpass.loop.saved_steps` logs the reports it saved): what `return_dict_in_generate` returns."""
+    collected: list[tuple[str, Report]] = []
+    _collectors.append(collected)
+    try:
+        yield collected
+    finally:
+        _collectors[:] = [c for c in _collectors if c is not collected]  # not remove(): equal lists are not it
+
+
+def log_report(report: Report, step: str = "") -> None:
+    for collected in _collectors:
+        collected.append((step, report))
     _log_to_stderr_if_asked()
     if log.isEnabledFor(logging.INFO):
         # formatted here, where the backend catches a failure, not in a handler; the Report itself
         # rides on the record (`record.report`) for tools that read its figures
-        log.info(f"{report}\n  {report.timing()}", extra={"report": report})
+        log.info(f"{report}\n  {report.timing()}", extra={"report": report, "step": step})
 
 
 def _warn(message: str) -> None:

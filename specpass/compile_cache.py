@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves
 from specpass.options import Options
 from specpass.passes.row_rules.engine import registered_rules
 from specpass.pipeline import RewriteResult
-from specpass.report import Finding, Report
+from specpass.report import Report
 
 log = logging.getLogger("specpass")
 
@@ -80,7 +80,7 @@ def key(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> str 
         digest.update(repr(part).encode())
         digest.update(b"\0")
 
-    for part in (FORMAT, torch.__version__, torch.version.git_version, _specpass_source(), _row_rules(),
+    for part in (FORMAT, torch.__version__, torch.version.git_version, specpass_source(), _row_rules(),
                  dataclasses.astuple(options), torch.is_grad_enabled(), gm.code):
         add(part)
     for node in gm.graph.nodes:
@@ -117,7 +117,7 @@ def load(entry_key: str) -> RewriteResult | None:
         graph_module = _rebuild(entry)
     except Exception as exc:
         raise UnusableEntry(f"{path} holds a graph that does not rebuild ({exc})") from exc
-    report = _report_from_json(entry["report"])
+    report = Report.from_json(entry["report"])
     report.notes.append(f"loaded from specpass's compile cache ({path})")
     return RewriteResult(graph_module, report)
 
@@ -141,7 +141,7 @@ def store(entry_key: str, result: RewriteResult) -> bool:
     entry = {"format": FORMAT, "key": entry_key, "nodes": nodes,
              "constants": {name: c.detach() for name, c in constants.items()},
              "class_name": type(graph_module).__name__, "tracer": tracer,
-             "structure": _structure(graph_module), "report": _report_to_json(result.report)}
+             "structure": _structure(graph_module), "report": result.report.to_json()}
     entry["digest"] = _digest(entry)
     try:
         _rebuild(entry)  # what the next process would get: the same structure, or nothing stored
@@ -347,7 +347,7 @@ def _symbolic_facts(example_inputs: list[Any]) -> Any:
 
 
 @functools.cache
-def _specpass_source() -> str:
+def specpass_source() -> str:
     """A digest of every .py file of the package: any change to specpass is another key."""
     package = Path(__file__).parent
     digest = hashlib.sha256()
@@ -365,18 +365,3 @@ def _row_rules() -> list[Any]:
         return _target_name(fn), code.co_code.hex() if code is not None else None, cells
 
     return sorted((str(op), facts(fn)) for op, fn in registered_rules().items())
-
-
-def _report_to_json(report: Report) -> str:
-    # not dataclasses.asdict: it deep-copies a symbolic count (rows under dynamic shapes), fake tensors and all
-    findings = [{field.name: getattr(f, field.name) for field in dataclasses.fields(f)} for f in report.findings]
-    return json.dumps({"findings": findings, "errors": report.errors,
-                       "notes": report.notes, "matmul_flops": report.matmul_flops}, default=str)
-
-
-def _report_from_json(text: str) -> Report:
-    data = json.loads(text)
-    pair = lambda v: tuple(v) if v is not None else None  # noqa: E731  (JSON has lists, Finding tuples)
-    findings = [Finding(**{**f, "rows": pair(f["rows"]), "matmul_flops": pair(f["matmul_flops"])})
-                for f in data["findings"]]
-    return Report(findings=findings, errors=data["errors"], notes=data["notes"], matmul_flops=pair(data["matmul_flops"]))

@@ -17,6 +17,7 @@ nothing more is marked.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from collections import defaultdict
@@ -78,7 +79,15 @@ def _region(forward: Callable) -> Callable:
         mark = torch.compiler.nested_compile_region
         if "max_reuse_entries" in inspect.signature(mark).parameters:  # a torch that reuses traced bodies
             traced = mark(lambda self, *args, **kwargs: (forward(self, *args, **kwargs), None))
-            region = _REGIONS[forward] = lambda self, *args, **kwargs: traced(self, *args, **kwargs)[0]
+            run = lambda self, *args, **kwargs: traced(self, *args, **kwargs)[0]  # noqa: E731
         else:
-            region = _REGIONS[forward] = mark(forward)
+            run = mark(forward)
+
+        # Named "forward" (torch names its marked function "inner"): Dynamo saves a block's bound
+        # forward by its name (`specpass.loop.saved_steps`).
+        @functools.wraps(forward)
+        def region(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return run(self, *args, **kwargs)
+
+        _REGIONS[forward] = region
     return region

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Iterator
@@ -72,6 +73,22 @@ class Report:
 
     def of(self, pass_name: str) -> list[Finding]:
         return [f for f in self.findings if f.pass_name == pass_name]
+
+    def to_json(self) -> str:
+        """The findings, errors, notes and FLOPs (not the seconds) as JSON: what a cache entry or a
+        saved step keeps of the report."""
+        # not dataclasses.asdict: it deep-copies a symbolic count (rows under dynamic shapes), fake tensors and all
+        findings = [{field.name: getattr(f, field.name) for field in dataclasses.fields(f)} for f in self.findings]
+        return json.dumps({"findings": findings, "errors": self.errors, "notes": self.notes,
+                           "matmul_flops": self.matmul_flops}, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        data = json.loads(text)
+        pair = lambda v: tuple(v) if v is not None else None  # noqa: E731  (JSON has lists, Finding tuples)
+        findings = [Finding(**{**f, "rows": pair(f["rows"]), "matmul_flops": pair(f["matmul_flops"])})
+                    for f in data["findings"]]
+        return cls(findings=findings, errors=data["errors"], notes=data["notes"], matmul_flops=pair(data["matmul_flops"]))
 
     def __str__(self) -> str:
         head = f"specpass: {len(self.rewrites)} rewrite(s), {len(self.refusals)} left alone"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -24,11 +23,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from specpass.compile_backend import backend as specpass_backend, step_name
+from specpass.compile_backend import backend as specpass_backend, collecting_reports
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
 from specpass.loop import Decoder, Metrics, TreeShape, round_shape
 from specpass.loop.checks import check_cache_size
 from specpass.loop.shapes import aligned
+from specpass.report import Report
 from specpass.tensor_parallel import localize
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
@@ -48,7 +48,7 @@ class GenerateOutput:
 
 class _Entry(NamedTuple):
     decoder: Decoder
-    recorder: _Recorder | None
+    recorder: _Recorder
     models: tuple[Any, Any]  # the model and the assistant: held, so their ids in the key cannot be reused
 
 
@@ -89,7 +89,7 @@ class DecoderCache:
         """The shortest cache of at least `need` slots among the kept Decoders of `config`, if any."""
         return min((slots for (kept, slots) in self._entries if kept == config and slots >= need), default=None)
 
-    def _get(self, key: tuple, models: tuple[Any, Any], build: Callable[[], tuple[Decoder, _Recorder | None]]) -> _Entry:
+    def _get(self, key: tuple, models: tuple[Any, Any], build: Callable[[], tuple[Decoder, _Recorder]]) -> _Entry:
         """The entry for key, built when missing (after dropping the least recently used beyond keep - 1,
         so that their caches are freed before new ones are allocated)."""
         entry = self._entries.get(key)
@@ -171,19 +171,20 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     mode = mode if mode is not None else "reduce-overhead" if cuda else None
     fused_round = fused_round if fused_round is not None else cuda
 
-    def build() -> tuple[Decoder, _Recorder | None]:
+    def build() -> tuple[Decoder, _Recorder]:
         backend = specpass_backend() if compile == "specpass" else compile
-        recorder = _Recorder(backend) if callable(backend) else None  # "inductor", "eager": nothing to report
         # tp_plan="auto": the local shards, so that the passes see the graph (DTensors cannot be captured)
         target, group = localize(model) if any(isinstance(p, DTensor) for p in model.parameters()) else (model, None)
         return Decoder(HFTarget(target), drafter, k=k, max_batch=max(len(prompts), max_batch or ROWS), max_len=slots,
-                       compile=recorder or backend, mode=mode, fused_round=fused_round, group=group), recorder
+                       compile=backend, mode=mode, fused_round=fused_round, group=group), _Recorder()
 
     decoder, recorder, _ = cache._get((config, slots), (model, assistant_model), build)
     if max_batch is not None:
         decoder.reserve(max_batch)  # a kept Decoder: grown where this call asks for more
 
-    out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)
+    with collecting_reports() as reports:
+        out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)
+    recorder.add(reports)
     width = max(map(len, out.tokens))
     # pad is None only without an EOS: then every row has the same length and no padding.
     # Built on the host and copied once: a copy per row costs a transfer each on a GPU.
@@ -193,7 +194,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     sequences = torch.cat([input_ids, new.to(input_ids.device)], 1)
     if not return_dict_in_generate:
         return sequences
-    return GenerateOutput(sequences, out.metrics, dict(recorder.fired) if recorder is not None else {})
+    return GenerateOutput(sequences, out.metrics, dict(recorder.fired))
 
 
 generate.cache = DecoderCache(keep=4)
@@ -270,34 +271,12 @@ def _describe(x: Any) -> str:
 
 
 class _Recorder:
-    """A torch.compile backend that runs `backend` and keeps, per compiled step, the rewrites specpass
-    reports while compiling it (its log record; see specpass/compile_backend.py)."""
+    """Per compiled step, the rewrites specpass reported for a kept Decoder's graphs (compiled, or
+    loaded with the saved steps)."""
 
-    def __init__(self, backend: Callable):
-        self.backend = backend
+    def __init__(self) -> None:
         self.fired: dict[str, list[str]] = {}
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-        log = logging.getLogger("specpass")
-        records: list[str] = []
-        handler = _ListHandler(records)
-        level = log.level
-        log.setLevel(logging.INFO)  # not `log.level =`: that keeps isEnabledFor's cached answer
-        log.addHandler(handler)
-        try:
-            compiled = self.backend(gm, example_inputs, **kwargs)
-        finally:
-            log.removeHandler(handler)
-            log.setLevel(level)
-        lines = [line.strip() for r in records for line in r.splitlines() if "] rewrote " in line]
-        self.fired.setdefault(step_name(gm), []).extend(lines)
-        return compiled
-
-
-class _ListHandler(logging.Handler):
-    def __init__(self, records: list[str]):
-        super().__init__(logging.INFO)
-        self.records = records
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record.getMessage())
+    def add(self, reports: list[tuple[str, Report]]) -> None:
+        for step, report in reports:
+            self.fired.setdefault(step, []).extend(str(finding) for finding in report.rewrites)

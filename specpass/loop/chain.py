@@ -74,7 +74,7 @@ class ChainRound:
 
     def bind(self, target: Target, drafter: Drafter, k: int, sampled: bool, slots: int) -> Steps:
         return Steps(draft=functools.partial(draft, drafter, k, sampled),
-                     verify=functools.partial(steps.verify, target, drafter.hidden_kind, drafter.to_target),
+                     verify=functools.partial(steps.verify, target, drafter.hidden_kind, drafter),
                      accept=steps.accept,
                      catch_up=functools.partial(catch_up_round, drafter, sampled))
 

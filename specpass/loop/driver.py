@@ -162,8 +162,9 @@ class Decoder:
                     mark_repeated_blocks(model)
         self._hidden_kind = drafter.hidden_kind if drafter is not None else None
         self._batch = SymbolicBatch()
-        self._wrap = compiler(compile, mode, self._batch)
-        self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, self._batch)
+        saved = self.ranks is None  # sharded steps compile in each process
+        self._wrap = compiler(compile, mode, self._batch, saved)
+        self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, self._batch, saved)
         self._bound: dict[int, Bound] = {}  # K -> its steps and compiled forms (`use_k` switches K)
         self.use_k(k if drafter is not None else 0)
 
@@ -453,8 +454,7 @@ class Decoder:
         lengths = torch.tensor([len(p) for p in prompts] + [1] * idle, device=device)
         tokens = torch.zeros(B, P + 1, dtype=torch.long, device=device)  # [B, P+1]: prompt, then x_n
         tokens[: len(prompts), :P] = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], device=device)
-        torch._dynamo.maybe_mark_dynamic(tokens, 1)  # one graph for every prompt length
-        with self._batch.marking(B, self.max_batch):
+        with self._batch.marking(B, self.max_batch, more=[(tokens, 1)]):  # one graph for every prompt length
             first, carry = self._bound[self._k].prefill(tokens, lengths, params)
 
         limit = torch.tensor(limits + [0] * idle, device=device)

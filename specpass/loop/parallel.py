@@ -70,7 +70,7 @@ class ParallelRound:
 
     def bind(self, target: Target, drafter: ParallelDrafter, k: int, sampled: bool, slots: int) -> Steps:
         return Steps(draft=steps.carried,
-                     verify=functools.partial(steps.verify, target, drafter.hidden_kind, drafter.to_target),
+                     verify=functools.partial(steps.verify, target, drafter.hidden_kind, drafter),
                      accept=steps.accept,
                      catch_up=functools.partial(catch_up_round, drafter, k, sampled))
 

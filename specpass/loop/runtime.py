@@ -14,31 +14,47 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from specpass.compile_backend import default_backend
+from specpass.loop import saved_steps
 from specpass.loop.steps import State
+from specpass.options import Options
 
 COMPILERS = ("specpass", "inductor", "eager")
 
 
-def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch) -> Callable[[Callable, str], Callable]:
+def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
+             saved: bool = True) -> Callable[[Callable, str], Callable]:
     """-> wrap(fn, name): fn compiled as one graph, under a code object of its own named `name`,
     with the batch symbolic (`batch` marks it on the inputs) and every other size static unless
     marked: Dynamo's automatic dynamic shapes (`dynamic=None`) make a size symbolic only where
-    marked or where a recompile saw it change."""
+    marked or where a recompile saw it change.
+
+    saved: a step of specpass's backend or Inductor is saved once compiled and loaded by later
+    processes without Dynamo (`saved_steps`), while specpass's compile cache is on."""
     if compile == "eager":
         return lambda fn, name: fn
     backend = default_backend if compile == "specpass" else compile  # "inductor"; a callable
+    where = saved_steps.directory() if saved and savable(backend) else None
 
-    def wrap(fn: Callable, name: str) -> Callable:
-        compiled = torch.compile(own_code(fn, name), backend=backend, mode=mode, fullgraph=True, dynamic=None)
+    def compiled(fn: Callable, name: str) -> Callable:
+        step_code = torch.compile(own_code(name), backend=backend, mode=mode, fullgraph=True, dynamic=None)
 
         def step(*args: Any) -> Any:
-            if batch.rows is not None:
-                batch.mark(args)
-            return compiled(*args)
+            batch.mark(args)
+            return step_code(fn, *args)
 
         return step
 
+    def wrap(fn: Callable, name: str) -> Callable:
+        if where is None:
+            return compiled(fn, name)
+        return saved_steps.SavedStep(fn, own_code(name), backend, mode, batch, where, lambda: compiled(fn, name))
+
     return wrap
+
+
+def savable(backend: str | Callable) -> bool:
+    """Inductor, or a backend of specpass's (`specpass.backend(...)`): what torch can save compiled."""
+    return backend == "inductor" or isinstance(getattr(backend, "options", None), Options)
 
 
 class SymbolicBatch:
@@ -47,7 +63,8 @@ class SymbolicBatch:
     the prefill and rounds 1 and 2 of a call, which run under every guard), a step marks dim 0 of
     each tensor input of that many rows `maybe_mark_dynamic`: the batch axis of every loop tensor
     but the `State.stats`, the one without. Only a compile reads the marks, so later rounds skip
-    this (a tensor unmarked at a call passes the guards of a graph compiled on marked ones).
+    this (a tensor unmarked at a call passes the guards of a graph compiled on marked ones). `more`
+    names other axes to mark: the prefill's prompt length.
 
     Size 1 is not marked: Dynamo specializes sizes 0 and 1, so `Decoder` runs a batch of one in two
     rows (one idle) when its caches hold two or more, and only a capacity of 1 compiles for 1. Caches of
@@ -57,31 +74,41 @@ class SymbolicBatch:
 
     def __init__(self) -> None:
         self.rows: int | None = None
+        self.more: list[tuple[Tensor, int]] = []
 
     @contextlib.contextmanager
-    def marking(self, rows: int, capacity: int) -> Iterator[None]:
+    def marking(self, rows: int, capacity: int, more: list[tuple[Tensor, int]] = ()) -> Iterator[None]:
         self.rows = rows if rows >= 2 and capacity > 2 else None
+        self.more = list(more)
         try:
             yield
         finally:
-            self.rows = None
+            self.rows, self.more = None, []
 
-    def mark(self, args: Any) -> None:
+    def marked(self, args: Any) -> Iterator[tuple[Tensor, int]]:
+        """(tensor, axis) of args to mark symbolic."""
         # Not the stats [K+1]: a tensor marked at a call but not when its graph was compiled fails a
         # guard (Dynamo's "_has_dynamo_dim_marking"), so a mark must not depend on K+1 == rows.
         args = [arg._replace(stats=None) if isinstance(arg, State) else arg for arg in args]
         for leaf in pytree.tree_leaves(args):
-            if isinstance(leaf, Tensor) and leaf.dim() and leaf.shape[0] == self.rows:
-                torch._dynamo.maybe_mark_dynamic(leaf, 0)
+            if isinstance(leaf, Tensor):
+                if self.rows is not None and leaf.dim() and leaf.shape[0] == self.rows:
+                    yield leaf, 0
+                yield from ((leaf, axis) for tensor, axis in self.more if tensor is leaf)
+
+    def mark(self, args: Any) -> None:
+        for tensor, axis in self.marked(args):
+            torch._dynamo.maybe_mark_dynamic(tensor, axis)
 
 
-def own_code(fn: Callable, name: str) -> Callable:
-    """fn called from a function whose code object is its own. torch.compile calls every
-    functools.partial through one shared function (torch._dynamo.external_utils.wrap_inline's
+def own_code(name: str) -> Callable:
+    """step(fn, *args) = fn(*args), under a code object of its own named `name`. torch.compile calls
+    every functools.partial through one shared function (torch._dynamo.external_utils.wrap_inline's
     `inner`), and Dynamo keeps at most 8 graphs per code object that guard on the same models: the
-    steps of all Decoders over one pair would share that room, and the rest run uncompiled."""
+    steps of all Decoders over one pair would share that room, and the rest run uncompiled. fn is an
+    argument, not a closure's cell, so that a saved step holds no model (`saved_steps`)."""
 
-    def step(*args: Any) -> Any:
+    def step(fn: Callable, *args: Any) -> Any:
         return fn(*args)
 
     step.__code__ = step.__code__.replace(co_name=name)  # a new code object

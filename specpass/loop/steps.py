@@ -100,7 +100,7 @@ def carried(d: Tensor, q: Proposal | None, pos: Tensor, h: Tensor | None,
     return d, q
 
 
-def verify(target: Target, hidden_kind: str | None, to_target: Callable[[Tensor], Tensor] | None, last: Tensor,
+def verify(target: Target, hidden_kind: str | None, drafter: Drafter | None, last: Tensor,
            pos: Tensor, d: Tensor, q: Proposal | None,
            params: Params | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The target on [x_n, d] at positions n..n+K -> (y [B, K+1]: d_1..d_a then the target's
@@ -115,7 +115,7 @@ def verify(target: Target, hidden_kind: str | None, to_target: Callable[[Tensor]
     if params is None:
         y = logits.argmax(-1)
         return y, first_true(d != y[:, :-1]), hidden
-    return *judge(logits, d, q, params, pos, to_target), hidden
+    return *judge(logits, d, q, params, pos, drafter.to_target if drafter is not None else None), hidden
 
 
 def judge(logits: Tensor, d: Tensor, q: Proposal | None, params: Params, pos: Tensor,
