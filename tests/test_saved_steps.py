@@ -135,7 +135,7 @@ def test_generate_reports_the_rewrites_of_loaded_steps(steps_dir):
     def generate():
         counters.clear()
         out = specpass.generate(model, ids, attention_mask=(ids != 0).long(), assistant_model=draft,
-                                max_new_tokens=6, compile=specpass.backend(handoff="eager"),
+                                max_new_tokens=6, compile=specpass.backend(handoff="eager"), fused_round=True,
                                 return_dict_in_generate=True, decoder_cache=DecoderCache(keep=1))
         return out, counters["stats"]["unique_graphs"]
 
