@@ -151,15 +151,20 @@ def store(entry_key: str, result: RewriteResult) -> bool:
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(entry, buffer)
+    write_atomically(path, buffer.getvalue())
+    return True
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """data in a file of its own, then renamed to path: a reader sees the old file or the new one."""
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as f:
-            f.write(buffer.getvalue())
+            f.write(data)
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)
         raise
-    return True
 
 
 def _path(entry_key: str) -> Path:

@@ -31,9 +31,7 @@ import importlib.metadata
 import inspect
 import json
 import logging
-import os
 import re
-import tempfile
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -183,14 +181,7 @@ def _save(path: Path, key: str, compiled: Any, reports: list[Report], f_globals:
     header = json.dumps({"format": FORMAT, "key": key, "reports": [r.to_json() for r in reports]}).encode()
     body = len(header).to_bytes(8, "little") + header + payload
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as f:
-            f.write(MAGIC + hashlib.sha256(body).digest() + body)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    compile_cache.write_atomically(path, MAGIC + hashlib.sha256(body).digest() + body)
 
 
 def _load(path: Path, key: str, f_globals: dict[str, Any], mode_options: dict[str, Any]) -> tuple[Any, list[Report]]:
