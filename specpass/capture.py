@@ -11,12 +11,14 @@ Dynamo's graph inputs (`x`, `q_proj_weight`, `k_cache`) so graphs and reports ar
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
-from torch._guards import TracingContext, detect_fake_mode
+from torch._guards import HopDispatchSetCache, TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -29,7 +31,7 @@ def to_aten_ir(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
     """Dynamo graph (torch-level FX) -> canonical IR (see module docstring)."""
     dynamo_inputs = list(gm.graph.find_nodes(op="placeholder"))
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
-    with fake_mode:
+    with fake_mode, _own_region_traces():
         aten_gm = make_fx(gm, pre_dispatch=True)(*[_fake(fake_mode, x) for x in example_inputs])
     unknown = [n.target for n in aten_gm.graph.find_nodes(op="get_attr")
                if isinstance(getattr(aten_gm, n.target, None), FakeTensor)]
@@ -43,6 +45,23 @@ def to_aten_ir(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
             aten_node.target = aten_node.name
         aten_gm.recompile()
     return aten_gm
+
+
+@contextlib.contextmanager
+def _own_region_traces() -> Iterator[None]:
+    """Torch keeps each region body it traces in the compile's tracing context, by the region's
+    name, and a later trace of a call of that name takes the kept body instead of the one the call
+    holds. Our pre-dispatch bodies kept there would stand in, undecomposed and unrewritten, for the
+    rewritten ones when AOTAutograd traces the graph for Inductor: this trace keeps its own."""
+    context = TracingContext.try_get()
+    if context is None:
+        yield
+        return
+    kept, context.hop_dispatch_set_cache = context.hop_dispatch_set_cache, HopDispatchSetCache()
+    try:
+        yield
+    finally:
+        context.hop_dispatch_set_cache = kept
 
 
 def adopt_dynamo_inputs(dynamo_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> None:

@@ -26,7 +26,7 @@ from tests.programs import TOLERANCE, Program, programs
 
 _COMMON = dict(database=None, deadline=None,
                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-settings.register_profile("generated-ci", max_examples=600, derandomize=True, **_COMMON)
+settings.register_profile("generated-ci", max_examples=400, derandomize=True, **_COMMON)
 settings.register_profile("generated-long", max_examples=5000, **_COMMON)
 MIN_REWRITTEN = 0.5  # the grammar's weights keep most programs within reach of a rewrite
 

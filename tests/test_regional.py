@@ -3,12 +3,17 @@ deeper target adds no layer body to trace or rewrite, the passes still fire (ins
 and in the one call they inline), and the tokens are plain greedy decoding's (a transformers target:
 tests/test_gqa.py). fp32, CPU."""
 
+import warnings
+
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import specpass
+import specpass.repeated_blocks
 from models import zoo
 from models.drafters import ZooDrafter
 from models.llama import Llama, LlamaConfig
+from specpass.compile_backend import SpecpassWarning
 from specpass.graph import is_region_call
 from specpass.loop import Decoder
 
@@ -143,3 +148,35 @@ def test_live_rows_inline_the_last_call():
     assert reports[1].matmul_flops == reports[0].matmul_flops
     calls = [n for n in result.graph_module.graph.nodes if is_region_call(n)]
     assert len(calls) == 2  # layers 0 and 1; layer 2 inlined
+
+
+class _SeenByInductor(CustomGraphPass):
+    """An Inductor post-grad pass that records the ops of the graph and of the bodies it calls."""
+
+    def __init__(self):
+        self.ops = set()
+
+    def __call__(self, graph):
+        for module in graph.owning_module.modules():
+            self.ops |= {str(n.target) for n in module.graph.nodes if n.op == "call_function"}
+
+    def uuid(self):
+        return None  # not cacheable: each test's compile is its own
+
+
+def test_inductor_compiles_the_rewritten_body():
+    """Inductor gets the body the passes rewrote: torch keeps the bodies a trace makes by the region's
+    name, and the capture's own trace must not stand in for them (it once did: undecomposed, that body
+    failed Inductor's lowering, here at its softmax)."""
+    region = specpass.repeated_blocks.compile_region(lambda x: torch.softmax(x.float(), -1).max(-1).indices)
+
+    def f(x):
+        return region(x) + region(x * 2)
+
+    x, seen = torch.randn(3, 5), _SeenByInductor()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SpecpassWarning)
+        with torch._inductor.config.patch(post_grad_custom_pre_pass=seen):
+            got = torch.compile(f, backend=specpass.backend(), fullgraph=True)(x)
+    assert torch.equal(got, f(x))
+    assert "aten.argmax.default" in seen.ops and not {"aten._softmax.default", "aten.amax.default"} & seen.ops, seen.ops
