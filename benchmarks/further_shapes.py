@@ -1,13 +1,15 @@
 """What each further round shape costs to compile after the first, and `tune_k` in all (GPU).
 
     python -m benchmarks.further_shapes --shapes "8;2;4,5,16;4,7,32" --out further_shapes.json
+    python -m benchmarks.further_shapes --shapes "4,5,16;4,7,32" --tune --out tune_k.json   # a new process
 
 The shipped pair (the zoo's Llama and its EAGLE-3 head), bf16, a `Decoder` with the fused round and
 CUDA graphs, `--bs` held-out prompts, `--new-tokens` each. The first generate at `--k` compiles the
 prefill and that K's round; then, per shape of `--shapes` (K, or TOPK,STEPS,TOKENS), `use_k` and a
 first generate (it compiles that shape's round alone: the prefill serves every K), then that generate
-again (warm). Last, a new Decoder's `tune_k` over `--tune-ks` and the trees of `--shapes`, plain
-decoding included: its wall time, the prefill and every round it compiles included. Each process
+again (warm). With `--tune` instead: a Decoder's `tune_k` over `--tune-ks` and the trees of `--shapes`,
+plain decoding included, alone in its process: its wall time, the prefill and every round it compiles
+included (after the shapes above, Inductor's cache would already hold their graphs). Each process
 starts with empty Inductor and Triton caches (`TORCHINDUCTOR_CACHE_DIR`, `TRITON_CACHE_DIR`: set
 them to new folders) and specpass's compile cache off (`SPECPASS_CACHE=0`), as a user's first run.
 """
@@ -15,7 +17,6 @@ them to new folders) and specpass's compile cache off (`SPECPASS_CACHE=0`), as a
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=harness.k_or_tree, default=4)
     parser.add_argument("--shapes", default="8;2;4,5,16;4,7,32", help="K or TOPK,STEPS,TOKENS, ';'-separated")
+    parser.add_argument("--tune", action="store_true", help="time tune_k instead of the shapes one by one")
     parser.add_argument("--tune-ks", default="2,6", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--bs", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -57,10 +59,15 @@ def main() -> None:
         out = fn()
         return harness.now(device) - start, out
 
-    rows = []
     dec = Decoder(target, head, k=args.k, max_batch=args.bs, max_len=max_len, mode=mode, fused_round=True,
                   compile=args.compile)
-    for i, shape in enumerate([args.k, *shapes]):
+    rows, tune = [], None
+    if args.tune:
+        trees = [s for s in shapes if isinstance(s, TreeShape)]
+        seconds, choice = timed(lambda: dec.tune_k(prompts, args.tune_ks, off=True, trees=trees))
+        tune = {"ks": args.tune_ks, "trees": [str(t) for t in trees], "seconds": seconds, "choice": str(choice.k),
+                "graphs": harness.graphs_compiled()}
+    for i, shape in enumerate([] if args.tune else [args.k, *shapes]):
         dec.use_k(shape)
         first, _ = timed(lambda: dec.generate(prompts, args.new_tokens))
         warm, out = timed(lambda: dec.generate(prompts, args.new_tokens))
@@ -68,21 +75,16 @@ def main() -> None:
                      "accept_length": out.metrics.accept_length, "what": "first call" if i == 0 else "further shape"})
         print(rows[-1], flush=True)
 
-    trees = [s for s in shapes if isinstance(s, TreeShape)]
-    tuner = Decoder(target, head, k=args.k, max_batch=args.bs, max_len=max_len, mode=mode, fused_round=True,
-                    compile=args.compile)
-    tune_s, choice = timed(lambda: tuner.tune_k(prompts, args.tune_ks, off=True, trees=trees))
-    tune = {"ks": args.tune_ks, "trees": [str(t) for t in trees], "seconds": tune_s, "choice": str(choice.k),
-            "graphs": harness.graphs_compiled()}
-
     env = harness.environment(device, dtype, bs=args.bs, new_tokens=args.new_tokens)
     harness.saver(args.out)({"env": env, "shapes": rows, "tune_k": tune})
     print(f"\n{harness.describe(env)}")
+    if tune is not None:
+        print(f"tune_k over K {tune['ks']} and {len(tune['trees'])} trees, plain included: {tune['seconds']:.1f} s, "
+              f"chose {tune['choice']}")
+        return
     print("| shape | first generate s | warm s | accepted length |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['shape']} ({row['what']}) | {row['first_s']:.2f} | {row['warm_s']:.3f} | {row['accept_length']:.2f} |")
-    print(f"\ntune_k over K {args.tune_ks} and {len(trees)} trees, plain included: {tune_s:.1f} s, "
-          f"chose {tune['choice']}")
 
 
 if __name__ == "__main__":

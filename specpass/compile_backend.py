@@ -70,7 +70,7 @@ def backend(**options: Any) -> Callable[..., Callable]:
             try:
                 aten_gm = to_aten_ir(gm, example_inputs)
             except Exception as exc:
-                _warn(f"specpass could not capture this graph ({type(exc).__name__}: {exc}); "
+                warn(f"specpass could not capture this graph ({type(exc).__name__}: {exc}); "
                       "compiling it without rewrites")
                 return handoff(gm, example_inputs)
 
@@ -81,7 +81,7 @@ def backend(**options: Any) -> Callable[..., Callable]:
                 for compiled in (result.graph_module, aten_gm):
                     adopt_dynamo_inputs(gm, compiled)
             except Exception as exc:  # the pipeline's own checks failed on the unrewritten graph
-                _warn(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
+                warn(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
                       "compiling it without rewrites")
                 return handoff(gm, example_inputs)
             with timer.timed("cache/store"):
@@ -91,17 +91,17 @@ def backend(**options: Any) -> Callable[..., Callable]:
         if cache_key is not None:
             result.report.seconds.update(timer.seconds)
         for error in result.report.errors:
-            _warn(error)
+            warn(error)
         try:
             log_report(result.report, name)
         except Exception as exc:  # a report that cannot be printed is a bug, not the model's problem
-            _warn(f"specpass could not log its report ({type(exc).__name__}: {exc}); the graph is compiled as rewritten")
+            warn(f"specpass could not log its report ({type(exc).__name__}: {exc}); the graph is compiled as rewritten")
         if not result.report.rewrites:
             return handoff(result.graph_module, example_inputs)
         try:
             return handoff(result.graph_module, example_inputs)
         except Exception as exc:
-            _warn(f"compiling the rewritten graph failed ({type(exc).__name__}: {exc}); "
+            warn(f"compiling the rewritten graph failed ({type(exc).__name__}: {exc}); "
                   "compiling it without rewrites")
             return handoff(aten_gm if aten_gm is not None else _unrewritten(gm, example_inputs), example_inputs)
 
@@ -116,7 +116,7 @@ def _cache_key(gm: fx.GraphModule, example_inputs: list[Any], options: Options) 
     try:
         return compile_cache.key(gm, example_inputs, options)
     except Exception as exc:  # the cache is an optimization: never the reason a model does not compile
-        _warn(f"specpass could not key its compile cache ({type(exc).__name__}: {exc}); rewriting without it")
+        warn(f"specpass could not key its compile cache ({type(exc).__name__}: {exc}); rewriting without it")
         return None
 
 
@@ -126,10 +126,10 @@ def _cached(cache_key: str | None) -> RewriteResult | None:
     try:
         result = compile_cache.load(cache_key)
     except compile_cache.UnusableEntry as exc:
-        _warn(f"specpass ignored a compile cache entry: {exc}; rewriting the graph again")
+        warn(f"specpass ignored a compile cache entry: {exc}; rewriting the graph again")
         return None
     except Exception as exc:
-        _warn(f"specpass could not read its compile cache ({type(exc).__name__}: {exc}); rewriting the graph again")
+        warn(f"specpass could not read its compile cache ({type(exc).__name__}: {exc}); rewriting the graph again")
         return None
     if result is not None:
         log.info("specpass: rewrite loaded from the compile cache (key %s)", cache_key)
@@ -143,7 +143,7 @@ def _store(cache_key: str | None, result: RewriteResult) -> None:
         if compile_cache.store(cache_key, result):
             log.info("specpass: rewrite stored in the compile cache (key %s)", cache_key)
     except Exception as exc:
-        _warn(f"specpass could not write its compile cache ({type(exc).__name__}: {exc}); the graph is compiled "
+        warn(f"specpass could not write its compile cache ({type(exc).__name__}: {exc}); the graph is compiled "
               "as rewritten")
 
 
@@ -210,5 +210,6 @@ def log_report(report: Report, step: str = "") -> None:
         log.info(f"{report}\n  {report.timing()}", extra={"report": report, "step": step})
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
+    """A `SpecpassWarning` pointing at the code that called the backend (or a loop step)."""
     warnings.warn(message, SpecpassWarning, stacklevel=3)

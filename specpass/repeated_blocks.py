@@ -35,7 +35,7 @@ def mark_repeated_blocks(module: nn.Module) -> int:
     user's own wrapper) is left alone."""
     marked = 0
     for blocks in _repeated(module):
-        region = compile_region(type(blocks[0]).forward)
+        region = _region(type(blocks[0]).forward)
         for block in blocks:
             if "forward" not in block.__dict__:
                 block.forward = types.MethodType(region, block)
@@ -65,9 +65,8 @@ def _structure(block: nn.Module) -> tuple:
     return type(block), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors if t is not None)
 
 
-def compile_region(forward: Callable) -> Callable:
-    """`forward` (a class's forward, or any function whose calls repeat) as one marked function:
-    every call goes through it, one per function.
+def _region(forward: Callable) -> Callable:
+    """The class's forward as one marked function: every block's call goes through it.
 
     Where Dynamo reuses a body it traced for later calls instead of tracing them (torch 2.13's
     "auto-cache"), it stamps out a module's own buffers wrongly: a second layer that writes

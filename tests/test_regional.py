@@ -9,7 +9,6 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import specpass
-import specpass.repeated_blocks
 from models import zoo
 from models.drafters import ZooDrafter
 from models.llama import Llama, LlamaConfig
@@ -168,7 +167,7 @@ def test_inductor_compiles_the_rewritten_body():
     """Inductor gets the body the passes rewrote: torch keeps the bodies a trace makes by the region's
     name, and the capture's own trace must not stand in for them (it once did: undecomposed, that body
     failed Inductor's lowering, here at its softmax)."""
-    region = specpass.repeated_blocks.compile_region(lambda x: torch.softmax(x.float(), -1).max(-1).indices)
+    region = torch.compiler.nested_compile_region(lambda x: torch.softmax(x.float(), -1).max(-1).indices)
 
     def f(x):
         return region(x) + region(x * 2)

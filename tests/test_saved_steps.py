@@ -17,8 +17,6 @@ import transformers
 from torch._dynamo.utils import counters
 
 import specpass
-from models import zoo
-from models.drafters import ZooDrafter
 from models.llama import Llama, LlamaConfig
 from specpass.compile_backend import SpecpassWarning
 from specpass.hf.generate import DecoderCache

@@ -7,7 +7,6 @@ sampled tree rounds keep the seed's tokens; `tune_k` chooses among plain, chain 
 import pytest
 import torch
 
-import specpass
 from models import zoo
 from models.checkpoint import load
 from models.drafters import load_drafter

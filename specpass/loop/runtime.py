@@ -87,6 +87,8 @@ class SymbolicBatch:
 
     def marked(self, args: Any) -> Iterator[tuple[Tensor, int]]:
         """(tensor, axis) of args to mark symbolic."""
+        if self.rows is None and not self.more:  # the rounds after the first two: nothing to walk
+            return
         # Not the stats [K+1]: a tensor marked at a call but not when its graph was compiled fails a
         # guard (Dynamo's "_has_dynamo_dim_marking"), so a mark must not depend on K+1 == rows.
         args = [arg._replace(stats=None) if isinstance(arg, State) else arg for arg in args]

@@ -33,7 +33,6 @@ import json
 import logging
 import re
 import types
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from specpass import compile_cache
-from specpass.compile_backend import SpecpassWarning, collecting_reports, log_report
+from specpass.compile_backend import collecting_reports, log_report, warn
 from specpass.report import Report
 
 log = logging.getLogger("specpass")
@@ -110,7 +109,7 @@ class SavedStep:
                     failed = compiled._artifacts.guard_manager.check_verbose(compiled.prepare_f_locals(self.fn, *args))
                     raise UnusableStep(f"its guards fail on this call: {failed.verbose_code_parts}")
             except UnusableStep as exc:
-                _warn(f"specpass ignored the saved step {path}: {exc}; compiling {self.name} again")
+                warn(f"specpass ignored the saved step {path}: {exc}; compiling {self.name} again")
             else:
                 log.info("specpass: %s loaded from %s", self.name, path)
                 for report in reports:
@@ -125,7 +124,7 @@ class SavedStep:
             with collecting_reports() as reports:
                 compiled = self.compiler.aot_compile(((self.fn, *clones), {}))
         except Exception as exc:  # what torch.compile takes and torch's precompile does not
-            _warn(f"specpass cannot save the step {self.name} ({type(exc).__name__}: {exc}); compiling it with "
+            warn(f"specpass cannot save the step {self.name} ({type(exc).__name__}: {exc}); compiling it with "
                   "torch.compile, again in each process")
             self.unsaved = self.make_unsaved()
             return None
@@ -134,7 +133,7 @@ class SavedStep:
                 _save(path, key, compiled, [report for _, report in reports], self.globals, self.mode_options)
             except Exception as exc:  # a step that cannot be saved still runs
                 self.saving = False
-                _warn(f"specpass could not save the step {self.name} ({type(exc).__name__}: {exc}); it compiles "
+                warn(f"specpass could not save the step {self.name} ({type(exc).__name__}: {exc}); it compiles "
                       "again in each process")
         return compiled
 
@@ -314,7 +313,3 @@ def _file_digest(path: str) -> str | None:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return None
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, SpecpassWarning, stacklevel=3)
