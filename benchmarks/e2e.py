@@ -18,9 +18,9 @@ of new tokens per request:
   hf-assisted    transformers' assisted generation, generate(assistant_model=the standalone draft);
                  batch size 1 only (transformers' limit), eager, its default schedule
   DRAFTER/LOOP   our loop with DRAFTER in {eagle3, draft, parallel (the P-EAGLE head: verify + one
-                 draft forward per round)} and LOOP in {inductor-apart (plain Inductor, one graph
+                 draft forward per round), dflash (the DFlash block draft: likewise)} and LOOP in {inductor-apart (plain Inductor, one graph
                  per step), specpass-apart, specpass-fused (one graph per round)}
-K = 4 for every loop, and each K of --k-sweep for eagle3/specpass-fused and parallel/specpass-fused
+K = 4 for every loop, and each K of --k-sweep for eagle3/, parallel/ and dflash/specpass-fused
 (or the --swept ones; the best K per batch size); each tree shape of --trees (TOPK,STEPS,TOKENS;...)
 for the swept EAGLE-3 variant; with --tuned, the loop's own choice (`Decoder.tune_k` among plain
 decoding, chain K and the --trees shapes, before the timed runs: rounds timed on the first batch,
@@ -62,10 +62,11 @@ from benchmarks import harness
 CHECKPOINTS = harness.ROOT / "checkpoints"
 TARGET, DRAFTERS = CHECKPOINTS / "stdlib-llama", {"eagle3": ("eagle", CHECKPOINTS / "stdlib-llama-eagle3"),
                                                    "draft": ("draft", CHECKPOINTS / "stdlib-llama-draft"),
-                                                   "parallel": ("parallel", CHECKPOINTS / "stdlib-llama-peagle3")}
+                                                   "parallel": ("parallel", CHECKPOINTS / "stdlib-llama-peagle3"),
+                                                   "dflash": ("dflash", CHECKPOINTS / "stdlib-llama-dflash")}
 LOOPS = {"inductor-apart": ("inductor", False), "specpass-apart": ("specpass", False),
          "specpass-fused": ("specpass", True)}
-SWEPT = ("eagle3/specpass-fused", "parallel/specpass-fused")  # the variants also run at each K of --k-sweep
+SWEPT = ("eagle3/specpass-fused", "parallel/specpass-fused", "dflash/specpass-fused")  # the variants also run at each K of --k-sweep
 TUNED = "tuned"  # a variant's K: Decoder.tune_k chooses it
 
 

@@ -18,6 +18,11 @@ P-EAGLE, arXiv 2602.01469): one forward over the verified rows plus K-1 mask slo
 once, depths kept by conditional drop-token sampling (depth j keeps a random `--cod-ratio`**j of
 the slots, nested in depth j-1's), KL to the target's distribution (`parallel_rows`), with `--layers`
 layers (the midlayer, then decoder layers). It writes stdlib-llama-peagle3/ and train_log_parallel.json.
+With `--dflash`, phase 2 trains a DFlash block draft instead (specpass/drafters/dflash.py; arXiv
+2602.06036): blocks [x_s, mask x K] at random anchors s of each window, all at once, each attending
+to the target's states at positions < s (`fc` over layers 1, 5 and 9) and to its own block, KL to the
+target's distribution at s..s+K-1, draft j weighted exp(-(j-1)/7) (`dflash_rows`); it shares the
+target's embedding and lm_head. It writes stdlib-llama-dflash/ (z-lab's layout) and train_log_dflash.json.
 Each phase has a wall-clock budget, compilation included: the number of steps (and so the cosine
 schedule) follows from the step time measured after warm-up; `--target-steps` / `--drafts-steps`
 fix it instead. Then an evaluation on the held-out modules, and the folders under --out:
@@ -61,7 +66,8 @@ from models.llama import Llama, LlamaConfig  # noqa: E402
 from models.peagle import ParallelEagle3Config, ParallelEagle3Head  # noqa: E402
 from models.text import BOS  # noqa: E402
 from models.text import HELD_OUT, VOCAB, corpus, make_prompts  # noqa: E402
-from specpass.drafters.rope import rope  # noqa: E402
+from specpass.drafters.dflash import DFlashConfig, DFlashDraft  # noqa: E402
+from specpass.drafters.rope import apply_rope, rope  # noqa: E402
 
 TARGET = LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
                      num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
@@ -70,6 +76,9 @@ EAGLE3 = Eagle3Config(vocab_size=VOCAB, draft_vocab_size=VOCAB, hidden_size=384,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
                       max_position_embeddings=2048)
 PEAGLE3 = ParallelEagle3Config(**dataclasses.asdict(EAGLE3), mask_token_id=BOS)  # BOS only starts a file
+DFLASH = DFlashConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      target_layer_ids=[1, 5, 9], mask_token_id=BOS, block_size=16)
 DRAFT = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
                     tie_word_embeddings=True, max_position_embeddings=2048)
@@ -80,13 +89,16 @@ TINY = dict(  # --tiny: the same shapes of model, small enough for a CPU test
                                target_hidden_size=64),
     peagle3=dataclasses.replace(PEAGLE3, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
                                 target_hidden_size=64),
+    dflash=dataclasses.replace(DFLASH, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16,
+                               target_layer_ids=[1, 3, 5], block_size=8),
     draft=dataclasses.replace(DRAFT, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                               num_key_value_heads=1, head_dim=16),
 )
 NAMES = dict(target="stdlib-llama", eagle3="stdlib-llama-eagle3", draft="stdlib-llama-draft",
-             peagle3="stdlib-llama-peagle3")
+             peagle3="stdlib-llama-peagle3", dflash="stdlib-llama-dflash")
 SHARD_BYTES = 15 * 2**20  # files come back from the GPU machine in pieces of 16 MiB at most
 STEP_DECAY = 0.8  # EAGLE-3's weight of rollout step j: 0.8**j
+DFLASH_DECAY = 7.0  # DFlash's weight of draft j: exp(-(j-1)/7)
 
 
 # --- forwards for training: the zoo modules' own submodules, full sequences, no KV cache
@@ -246,6 +258,74 @@ def evaluate_parallel(target: Llama, head: ParallelEagle3Head, held_out: torch.T
         hits += agree.sum(0).view(depths, T).sum(1).double().cpu()
         counts += (valid.view(depths, T).sum(1) * x.shape[0]).double().cpu()
     return dict(windows=n, bytes=n * length, agreement=(hits / counts).tolist())
+
+
+def dflash_rows(draft: DFlashDraft, x: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                k: int) -> torch.Tensor:
+    """A DFlash draft's blocks at every anchor at once -> logits `[B, M, K, V]`.
+
+    x `[B, L]`, features `[B, L, n·H]` (the target's states at positions 0..L-1), anchors `[M]`. The
+    block at anchor s is [x_s, mask x K] at positions s..s+K; its rows attend to the context at
+    positions < s and to the whole block, in every layer, as inference's block forward does when
+    x_s is the last verified token. Block row j >= 1 predicts x_{s+j}.
+    """
+    cfg = draft.config
+    B, L = x.shape
+    M = anchors.numel()
+    ctx = draft.hidden_norm(draft.fc(features))  # [B, L, H]
+    offsets = torch.arange(k + 1, device=x.device)
+    tokens = torch.where(offsets == 0, x[:, anchors, None], cfg.mask_token_id)  # [B, M, K+1]
+    h = draft.embed_tokens(tokens).flatten(1, 2)  # [B, N = M(K+1), H]
+    rope_block = rope((anchors[:, None] + offsets).flatten()[None], cfg.head_dim, cfg.rope_theta, h.dtype)
+    rope_ctx = rope(torch.arange(L, device=x.device)[None], cfg.head_dim, cfg.rope_theta, h.dtype)
+    block = torch.arange(M, device=x.device).repeat_interleave(k + 1)  # [N] each row's block
+    mask = torch.cat([torch.arange(L, device=x.device) < anchors[block][:, None],  # the context before s
+                      block[:, None] == block[None, :]], dim=1)  # [N, L + N]: and its own block
+    for layer in draft.layers:
+        a = layer.self_attn
+        k_ctx = apply_rope(a.k_norm(a.k_proj(ctx).view(B, L, a.n_kv_heads, a.head_dim)), *rope_ctx)
+        v_ctx = a.v_proj(ctx).view(B, L, a.n_kv_heads, a.head_dim)
+        q, k_blk, v_blk, _ = a.project(layer.input_layernorm(h), rope_block)
+        h = h + a.output(attention(q, torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1), mask), None)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    h = h.view(B, M, k + 1, -1)[:, :, 1:]
+    return draft.lm_head(draft.norm(h))
+
+
+def dflash_kl(draft: DFlashDraft, target: Llama, x: torch.Tensor, anchors: torch.Tensor, k: int,
+              autocast) -> torch.Tensor:
+    """x `[B, L]`, anchors `[M]` (each <= L - K) -> KL(target || draft) `[B, M, K]`: draft j of the
+    block at s against the target's distribution at position s+j-1 (which predicts x_{s+j})."""
+    capture = tuple(i + 1 for i in draft.config.target_layer_ids)  # layer i's output: layer i+1's input
+    with torch.no_grad(), autocast():
+        logits, features = llama_forward(target, x, capture)
+    with autocast():
+        draft_logits = dflash_rows(draft, x, torch.cat(features, -1), anchors, k)
+    log_p = logits.float().log_softmax(-1)[:, anchors[:, None] + torch.arange(k, device=x.device)]  # [B, M, K, V]
+    return (log_p.exp() * (log_p - draft_logits.float().log_softmax(-1))).sum(-1)
+
+
+@torch.no_grad()
+def evaluate_dflash(target: Llama, draft: DFlashDraft, held_out: torch.Tensor, length: int, batch: int,
+                    max_windows: int, k: int, autocast) -> dict:
+    """Per draft j, on consecutive held-out windows, blocks at every 4th position: the draft's
+    agreement with the target's arg-max at that position given the true prefix, and the expected
+    accepted length of a greedy block of K (the bonus token plus the drafts up to the first miss)."""
+    n = min(max_windows, held_out.numel() // length)
+    windows = held_out[: n * length].view(n, length).long()
+    anchors = torch.arange(1, length - k + 1, 4, device=held_out.device)
+    capture = tuple(i + 1 for i in draft.config.target_layer_ids)
+    hits, runs, count = torch.zeros(k, dtype=torch.float64), 0.0, 0
+    for x in windows.split(batch):
+        with autocast():
+            logits, features = llama_forward(target, x, capture)
+            draft_logits = dflash_rows(draft, x, torch.cat(features, -1), anchors, k)
+        want = logits.argmax(-1)[:, anchors[:, None] + torch.arange(k, device=x.device)]  # [B, M, K]
+        agree = draft_logits.argmax(-1) == want
+        hits += agree.double().sum((0, 1)).cpu()
+        runs += agree.long().cumprod(-1).sum().item()
+        count += agree.shape[0] * agree.shape[1]
+    return dict(windows=n, blocks=count, agreement=(hits / count).tolist(), accepted_length=1 + runs / count)
 
 
 def draft_outputs(target: Llama, head: Eagle3Head, draft: Llama, x: torch.Tensor, steps: int):
@@ -444,6 +524,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rollout", type=int, default=4, help="EAGLE-3 training-time-test steps")
     p.add_argument("--parallel", action="store_true",
                    help="phase 2 trains a parallel-drafting head (stdlib-llama-peagle3) instead; needs --target")
+    p.add_argument("--dflash", action="store_true",
+                   help="phase 2: a DFlash block draft (stdlib-llama-dflash/), --layers layers, --blocks anchors a window")
+    p.add_argument("--blocks", type=int, default=64, help="dflash: blocks trained per window")
     p.add_argument("--depths", type=int, default=8, help="parallel: draft positions trained (K at most)")
     p.add_argument("--cod-ratio", type=float, default=0.7, help="parallel: depth j keeps ratio**j of the slots")
     p.add_argument("--weigh", choices=["depth", "row"], default="depth",
@@ -465,7 +548,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     began = time.perf_counter()
     device = torch.device(args.device)
-    cfgs = TINY if args.tiny else dict(target=TARGET, eagle3=EAGLE3, draft=DRAFT, peagle3=PEAGLE3)
+    cfgs = TINY if args.tiny else dict(target=TARGET, eagle3=EAGLE3, draft=DRAFT, peagle3=PEAGLE3, dflash=DFLASH)
     compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
                 else contextlib.nullcontext)  # CPU: fp32
@@ -506,6 +589,10 @@ def main(argv: list[str] | None = None) -> dict:
         save_bf16(target, target_dir)
         write_log()
     log["target_dir"] = str(target_dir)
+    if args.dflash:
+        cfg = dataclasses.replace(cfgs["dflash"], num_hidden_layers=args.layers)
+        return train_dflash(args, cfg, target_dir, dirs["dflash"], train_tokens, held_out, log, began,
+                            compile, autocast)
     if args.parallel:
         cfg = dataclasses.replace(cfgs["peagle3"], num_hidden_layers=args.layers)
         return train_parallel(args, cfg, target_dir, dirs["peagle3"], train_tokens, held_out, log, began,
@@ -606,6 +693,44 @@ def train_parallel(args, cfg: ParallelEagle3Config, target_dir, out_dir, train_t
     print("held-out agreement with the target's arg-max per draft position:",
           " ".join(f"{a:.3f}" for a in log["eval"]["agreement"]))
     print(f"wrote {out_dir}, train_log_parallel.json in {log['wall_s']:.0f}s", flush=True)
+    return log
+
+
+def train_dflash(args, cfg: DFlashConfig, target_dir, out_dir, train_tokens, held_out, log, began,
+                 compile, autocast) -> dict:
+    """Phase 2 with --dflash: the block draft alone against the frozen target, over its embedding
+    and lm_head."""
+    device = train_tokens.device
+    target = load(Llama, target_dir, device=device, dtype=torch.float32).requires_grad_(False)
+    draft = DFlashDraft(cfg, target.model.embed_tokens, target.lm_head).to(device)
+    own = [draft.fc, draft.hidden_norm, draft.layers, draft.norm]  # not the target's embedding and lm_head
+    for module in own:
+        init_weights(module)
+    k = cfg.block_size - 1
+    weight = torch.exp(-torch.arange(k, device=device) / DFLASH_DECAY)
+    weight = weight / weight.sum()  # [K]
+    g = torch.Generator(device=device).manual_seed(args.seed + 2)
+    log["configs"] = dict(target=target.config.to_dict(), dflash=cfg.to_dict())
+
+    def loss_fn(x):
+        anchors = torch.randperm(x.shape[1] - k, device=device, generator=g)[: args.blocks] + 1  # [M] in 1..L-K
+        kl = dflash_kl(draft, target, x, anchors, k, autocast).mean((0, 1))  # [K]
+        loss = (kl * weight).sum()
+        return loss, torch.cat([loss.detach()[None], kl.detach()])
+
+    log["dflash"] = train_phase("dflash", loss_fn, own, sampler(train_tokens, args.drafts_batch, args.seq_len,
+                                args.seed + 1), args.drafts_lr, args.drafts_seconds, args.drafts_steps, args.warmup,
+                                compile, args.log_every)
+    log["dflash"]["loss_parts"] = ["kl weighted", *[f"kl draft {j + 1}" for j in range(k)]]
+    tensors = {name: t.detach().to(torch.bfloat16) for name, t in draft.state_dict().items()
+               if not name.startswith(("embed_tokens.", "lm_head."))}
+    save(tensors, cfg, out_dir, max_shard_bytes=SHARD_BYTES)
+    log["eval"] = evaluate_dflash(target, draft.eval(), held_out, args.seq_len, 16, args.eval_windows, k, autocast)
+    log["wall_s"] = round(time.perf_counter() - began, 1)
+    (args.out / "train_log_dflash.json").write_text(json.dumps(log, indent=1) + "\n")
+    print("held-out agreement with the target's arg-max per draft:", " ".join(f"{a:.3f}" for a in log["eval"]["agreement"]),
+          f"; a greedy block of {k} accepts {log['eval']['accepted_length']:.2f} tokens", flush=True)
+    print(f"wrote {out_dir}, train_log_dflash.json in {log['wall_s']:.0f}s", flush=True)
     return log
 
 

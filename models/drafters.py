@@ -27,8 +27,9 @@ from models.peagle import ParallelEagle3Head
 from specpass import drafters
 from specpass.drafters.load import fit_problems
 
-KINDS = {"eagle": Eagle3Head, "parallel": ParallelEagle3Head, "nextn": NextN,
-         "draft": Llama}  # the example's --eagle/--parallel/--nextn/--draft
+KINDS = {"eagle": Eagle3Head, "parallel": ParallelEagle3Head, "dflash": drafters.DFlashDraft, "nextn": NextN,
+         "draft": Llama}  # the example's --eagle/--parallel/--dflash/--nextn/--draft
+LIBRARY_KINDS = ("eagle", "parallel", "dflash")  # public formats, loaded (and checked) by specpass.load_drafter
 
 
 def hidden_kind(model: nn.Module) -> str | None:
@@ -78,24 +79,27 @@ def check_pair(target: LlamaConfig, draft: Eagle3Config | NextNConfig | LlamaCon
 
 def load_pair(target_dir: str | Path, kind: str, draft_dir: str | Path, device=None,
               dtype: torch.dtype | None = None) -> tuple[Llama, drafters.DraftAdapter]:
-    """Load a Llama target and a draft of `kind` ("eagle", "parallel", "nextn" or "draft"), checked
-    against each other from their config.json files before any weight is read."""
+    """Load a Llama target and a draft of `kind` ("eagle", "parallel", "dflash", "nextn" or "draft"),
+    checked against each other from their config.json files before any weight is read."""
     target_config, _ = read_config(Llama, target_dir)
-    check_pair(target_config, read_config(KINDS[kind], draft_dir)[0])
+    if kind != "dflash":  # the library's loader checks a DFlash draft against the loaded target
+        check_pair(target_config, read_config(KINDS[kind], draft_dir)[0])
     target = load(Llama, target_dir, device=device, dtype=dtype)
     return target, load_drafter(target, kind, draft_dir, device=device, dtype=dtype)
 
 
 def load_drafter(target: Llama, kind: str, draft_dir: str | Path, device=None,
-                 dtype: torch.dtype | None = None) -> drafters.DraftAdapter:
-    """A draft of `kind` for an already loaded target: EAGLE-3 and P-EAGLE heads through the library's
-    loader (sharing the target's embedding), the others as zoo checkpoints."""
-    if kind in ("eagle", "parallel"):
+                 dtype: torch.dtype | None = None) -> drafters.DraftAdapter | drafters.DFlashDraft:
+    """A draft of `kind` for an already loaded target: EAGLE-3, P-EAGLE and DFlash heads through the
+    library's loader (sharing the target's embedding), the others as zoo checkpoints."""
+    if kind in LIBRARY_KINDS:
         drafter = drafters.load_drafter(draft_dir, target, device=device, dtype=dtype)
-        parallel = isinstance(drafter, drafters.ParallelDraftAdapter)
-        if parallel != (kind == "parallel"):
-            raise CheckpointError(f"{draft_dir} holds a {'parallel-drafting (P-EAGLE)' if parallel else 'chain'} "
-                                  f"EAGLE-3 head, not a {kind!r} one: load it as {'parallel' if parallel else 'eagle'}")
+        found = ("dflash" if isinstance(drafter, drafters.DFlashDraft)
+                 else "parallel" if isinstance(drafter, drafters.ParallelDraftAdapter) else "eagle")
+        if found != kind:
+            names = dict(eagle="chain EAGLE-3", parallel="parallel-drafting (P-EAGLE)", dflash="DFlash")
+            raise CheckpointError(f"{draft_dir} holds a {names[found]} head, not a {names[kind]} one: load it as "
+                                  f"{found!r}")
         return drafter
     cls = KINDS[kind]
     check_pair(target.config, read_config(cls, draft_dir)[0])

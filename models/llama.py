@@ -11,12 +11,14 @@ Target use (a static KV cache addressed by per-request position):
     logits = model(tokens, positions)                                  # [B, T, V]
     logits, aux = model.forward_with_hidden(tokens, positions, "eagle3")  # aux: [B, T, 3H]
     logits, last = model.forward_with_hidden(tokens, positions, "last")   # last: [B, T, H]
+    logits, ctx = model.forward_with_hidden(tokens, positions, "layers:1,3")  # ctx: [B, T, 2H]
 
 "eagle3" is what an EAGLE-3 head consumes: the hidden states Hugging Face reports as
 `output_hidden_states[i]` for i in (2, L//2, L-3) — the outputs of decoder layers 2, L/2 and
 L-3 counting from 1, i.e. the inputs of 0-based layers 2, L//2, L-3, as EAGLE-3, SGLang and
 vLLM capture them — concatenated in that order. "last" is what an MTP/NextN layer consumes: the
-last layer's output before the final norm.
+last layer's output before the final norm. "layers:i,j,.." is what a DFlash draft consumes: the
+outputs of 0-based layers i, j, .. (`specpass.loop.protocols.hidden_indices`).
 
 Draft use (the `Draft` interface, `hidden` unused): `catch_up(tokens, positions, None, live)`
 and `draft_step(tokens, positions, None)` return (logits, pre-final-norm hidden) of the live row.
@@ -36,6 +38,7 @@ from specpass.drafters.config import ConfigBase, check_llama_block
 from specpass.drafters.files import CheckpointError
 from specpass.drafters.layers import DecoderLayer, SwiGLU
 from specpass.drafters.rope import read_rope, rope
+from specpass.loop.protocols import hidden_indices
 
 
 @dataclasses.dataclass
@@ -100,12 +103,9 @@ class Llama(Draft):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
-    def eagle3_layers(self) -> tuple[int, int, int]:
+    def eagle3_layers(self) -> tuple[int, ...]:
         """Indices into HF's output_hidden_states (= inputs of these 0-based layers) EAGLE-3 fuses."""
-        L = self.config.num_hidden_layers
-        if L < 3:
-            raise ValueError(f"EAGLE-3 fuses layers 2, L//2 and L-3: the target needs 3 layers or more, not {L}")
-        return (2, L // 2, L - 3)
+        return hidden_indices("eagle3", self.config.num_hidden_layers)
 
     def _layers(self, tokens, positions, capture=(), slots=None, mask=None):
         """Run all layers; -> (last layer's output before the final norm, inputs of `capture` layers)."""
@@ -125,22 +125,25 @@ class Llama(Draft):
 
     def forward_with_hidden(self, tokens: torch.Tensor, positions: torch.Tensor,
                             kind: str = "eagle3") -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [B, T, V], hidden): kind "eagle3" -> [B, T, 3H], "last" -> [B, T, H] (see module doc)."""
-        if kind not in ("eagle3", "last"):
-            raise ValueError(f"kind must be 'eagle3' or 'last', got {kind!r}")
+        """(logits [B, T, V], hidden): kind "eagle3" -> [B, T, 3H], "layers:i,j,.." -> [B, T, n·H],
+        "last" -> [B, T, H] (see module doc)."""
+        if kind != "last":
+            hidden_indices(kind, self.config.num_hidden_layers)  # a kind it does not know: named
         return self.forward_tree(tokens, positions, None, None, kind)
 
     def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
                      mask: torch.Tensor | None, kind: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`specpass.TreeTarget`'s verify: rows written at `slots`, seeing `mask` (None: by position)."""
-        capture = self.eagle3_layers if kind == "eagle3" else ()
+        L = self.config.num_hidden_layers
+        capture = () if kind in (None, "last") else hidden_indices(kind, L)
         x, captured = self._layers(tokens, positions, capture, slots, mask)
-        logits = self.lm_head(self.model.norm(x))
+        normed = self.model.norm(x)
+        logits = self.lm_head(normed)
         if kind is None:
             return logits, None
         if kind == "last":
             return logits, x
-        by_layer = dict(zip(sorted(set(capture)), captured))
+        by_layer = {**dict(zip(sorted(set(i for i in capture if i < L)), captured)), L: normed}  # L: HF's last
         return logits, torch.cat([by_layer[i] for i in capture], dim=-1)
 
     def get_input_embeddings(self) -> nn.Embedding:

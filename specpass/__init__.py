@@ -18,7 +18,7 @@ from specpass.compile_backend import SpecpassWarning, backend, default_backend
 from specpass.capture import CaptureError, capture
 from specpass.drafters import load_drafter
 from specpass.export_program import export
-from specpass.loop import Decoder, Drafter, ParallelDrafter, Target, TreeDrafter, TreeShape, TreeTarget
+from specpass.loop import ChainDrafter, Decoder, Drafter, ParallelDrafter, Target, TreeDrafter, TreeShape, TreeTarget
 from specpass.loop.distributed import destroy_process_group
 from specpass.options import Options
 from specpass.passes.row_rules import register_row_rule
@@ -29,6 +29,7 @@ from specpass.report import Finding, Report
 __all__ = [
     "PASSES",
     "CaptureError",
+    "ChainDrafter",
     "Decoder",
     "DecoderCache",
     "Drafter",

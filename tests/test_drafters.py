@@ -362,7 +362,7 @@ model = AutoModelForCausalLM.from_pretrained(f"{checkpoints}/stdlib-llama", dtyp
 result = {"specpass": specpass.__file__, "zoo": [m for m in sys.modules if m == "models" or m.startswith("models.")]}
 inputs = [torch.tensor([prompt]) for prompt in prompts]
 result["want"] = [model.generate(ids, max_new_tokens=16, do_sample=False).tolist() for ids in inputs]
-for folder in ("stdlib-llama-eagle3", "stdlib-llama-peagle3"):
+for folder in ("stdlib-llama-eagle3", "stdlib-llama-peagle3", "stdlib-llama-dflash"):
     drafter = specpass.load_drafter(f"{checkpoints}/{folder}", model)
     outs = [specpass.generate(model, ids, assistant_model=drafter, max_new_tokens=16, compile="eager",
                               return_dict_in_generate=True) for ids in inputs]
@@ -374,7 +374,7 @@ print(json.dumps(result))
 
 def test_generate_with_the_shipped_heads_without_the_zoo(tmp_path):
     """`pip install specpass` + transformers: the shipped target loaded by transformers, the shipped
-    EAGLE-3 and P-EAGLE heads by `specpass.load_drafter`, from a process that cannot import `models`
+    EAGLE-3, P-EAGLE and DFlash heads by `specpass.load_drafter`, from a process that cannot import `models`
     and runs outside the repository; greedy tokens equal `model.generate`'s, and drafts are accepted."""
     prompts = [encode(text) for text in load_prompts()[:2]]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # specpass from this checkout; models/ beside it is blocked
@@ -383,7 +383,8 @@ def test_generate_with_the_shipped_heads_without_the_zoo(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["zoo"] == [] and Path(result["specpass"]).is_relative_to(ROOT / "specpass")
-    for folder, drafter in (("stdlib-llama-eagle3", "DraftAdapter"), ("stdlib-llama-peagle3", "ParallelDraftAdapter")):
+    for folder, drafter in (("stdlib-llama-eagle3", "DraftAdapter"), ("stdlib-llama-peagle3", "ParallelDraftAdapter"),
+                            ("stdlib-llama-dflash", "DFlashDraft")):
         assert result[folder]["drafter"] == drafter
         assert result[folder]["got"] == result["want"]
         accepted = result[folder]["accepted"]

@@ -62,14 +62,25 @@ def test_a_non_drafter_is_refused_naming_what_it_lacks(target):
     class CatchUpOnly:
         def catch_up(self, tokens, positions, hidden, live): ...
 
-    for thing, lacks in ((object(), "['hidden_kind', 'setup_caches', 'catch_up', 'draft_step', 'to_target']"),
-                         (CatchUpOnly(), "['hidden_kind', 'setup_caches', 'draft_step', 'to_target']")):
+    class NoRound(CatchUpOnly):  # every drafter's members, none of a round shape's
+        hidden_kind = None
+
+        def setup_caches(self, max_batch, max_len): ...
+
+        def to_target(self, ids): ...
+
+    for thing, lacks in ((object(), "['hidden_kind', 'setup_caches', 'catch_up', 'to_target']"),
+                         (CatchUpOnly(), "['hidden_kind', 'setup_caches', 'to_target']")):
         message = re.escape(f"the drafter ({type(thing).__name__}) lacks {lacks}: a drafter needs the members of "
                             "specpass.Drafter")
         with pytest.raises(TypeError, match=message):
             round_shape(thing)
         with pytest.raises(TypeError, match=message):
             Decoder(target, thing, k=2, max_batch=3, max_len=MAX_LEN, compile="eager")
+    message = re.escape("the drafter (NoRound) drafts in no round shape: it lacks ['draft_parallel'] "
+                        "(specpass.ParallelDrafter) or ['draft_step'] (specpass.ChainDrafter)")
+    with pytest.raises(TypeError, match=message):
+        Decoder(target, NoRound(), k=2, max_batch=3, max_len=MAX_LEN, compile="eager")
 
 
 def test_cache_slots_per_shape_and_for_any_drafter():

@@ -29,6 +29,7 @@ from models import zoo
 from models.drafters import ZooDrafter
 from models.eagle3 import Eagle3Config
 from models.llama import LlamaConfig
+from specpass.drafters import DFlashConfig, DFlashDraft
 from specpass.kernels.counter import key, uniform
 from specpass.sampling import DRAFT, Params, floor_of, logprobs
 from specpass.loop import Decoder, Proposal, round_shape, steps
@@ -41,6 +42,8 @@ TARGET = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hid
                      num_key_value_heads=1, head_dim=16, rope_theta=10000.0)
 EAGLE = Eagle3Config(vocab_size=V, draft_vocab_size=12, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=16, rope_theta=10000.0)
+DFLASH = DFlashConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, rope_theta=10000.0, target_layer_ids=[0, 2], mask_token_id=V - 1)
 
 # (drafter, k, temperature, top_k, top_p, greedy drafts, compile, fused round)
 CASES = {
@@ -51,6 +54,7 @@ CASES = {
     "draft-t0.6-topk-topp-greedy-drafts": ("draft", 2, 0.6, 5, 0.9, True, "eager", False),
     "eagle-t1-specpass-apart": ("eagle", 2, 1.0, None, None, False, "specpass", False),
     "draft-t0.6-topp-specpass-fused": ("draft", 3, 0.6, None, 0.9, False, "specpass", True),
+    "dflash-t0.8-topk": ("dflash", 3, 0.8, 8, None, False, "eager", False),  # one block forward a round
 }
 ALPHA = 0.01 / len(CASES)
 
@@ -66,9 +70,13 @@ def target():
 
 
 @functools.cache
-def _drafter(kind: str) -> ZooDrafter:
+def _drafter(kind: str) -> ZooDrafter | DFlashDraft:
     if kind == "eagle":
         return ZooDrafter(zoo.build(EAGLE, seed=3))
+    if kind == "dflash":  # over the target's embedding and lm_head (an identical copy of the target's)
+        twin = zoo.build(TARGET, seed=0)
+        torch.manual_seed(3)
+        return DFlashDraft(DFLASH, twin.get_input_embeddings(), twin.lm_head).eval()
     model = zoo.build(TARGET, seed=0)  # a noisy copy of the target: agrees often, not always
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

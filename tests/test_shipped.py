@@ -33,7 +33,7 @@ def prompts():
 
 def test_shipped_files_fit_the_budget():
     files = [f for f in CHECKPOINTS.rglob("*") if f.is_file()]
-    assert sum(f.stat().st_size for f in files) <= 55e6  # 50e6 before the parallel head (4.7 MB; 7.9 MB with two layers)
+    assert sum(f.stat().st_size for f in files) <= 62e6  # 50e6 before the parallel head (7.9 MB), 55e6 before DFlash's (7.2 MB)
     assert all(f.stat().st_size < 16 * 2**20 for f in files)
 
 
@@ -48,7 +48,8 @@ def test_transformers_loads_the_target_and_decodes_the_same_tokens(target, promp
 
 @pytest.mark.parametrize("kind, folder, min_accept", [("eagle", "stdlib-llama-eagle3", 2.5),
                                                        ("draft", "stdlib-llama-draft", 1.5),
-                                                       ("parallel", "stdlib-llama-peagle3", 2.3)])
+                                                       ("parallel", "stdlib-llama-peagle3", 2.3),
+                                                       ("dflash", "stdlib-llama-dflash", 2.3)])
 def test_shipped_drafters_are_lossless_and_accepted(target, prompts, kind, folder, min_accept):
     k = 4
     max_len = cache_slots(max(map(len, prompts)), NEW, k)
@@ -63,3 +64,9 @@ def test_parallel_head_config_carries_the_names_vllm_reads():
     config = json.loads((CHECKPOINTS / "stdlib-llama-peagle3" / "config.json").read_text())
     assert config["parallel_drafting"] is True and config["mask_token_id"] == BOS
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+
+
+def test_dflash_config_carries_the_names_z_lab_writes():
+    config = json.loads((CHECKPOINTS / "stdlib-llama-dflash" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 16
+    assert config["dflash_config"]["target_layer_ids"] == [1, 5, 9] and config["dflash_config"]["mask_token_id"] == BOS

@@ -124,5 +124,5 @@ def test_tune_k_chooses_plain_chain_or_tree_by_tokens_per_ms(target, monkeypatch
         choice = tune()
         assert choice.k == want and dec.k == want, choice
         assert choice.why[0] == "the drafter off: plain decoding" and choice.why[tree] == "a tree shape"
-        assert choice.tree_acceptance == {tree: [0.9, 0.8, 0.7]}
+        assert choice.own_acceptance == {tree: [0.9, 0.8, 0.7]}
         assert choice.tokens_per_ms[0] == pytest.approx(1 / plain_ms)

@@ -1,4 +1,4 @@
-"""Loading a public EAGLE-3 (or P-EAGLE) checkpoint folder as a drafter for a given target.
+"""Loading a public EAGLE-3, P-EAGLE or DFlash checkpoint folder as a drafter for a given target.
 
     drafter = load_drafter("eagle3-dir", model)          # a transformers PreTrainedModel or the zoo's Llama
     out = specpass.generate(model, ids, assistant_model=drafter, max_new_tokens=64)
@@ -12,6 +12,13 @@ as vLLM's `layers.N.*`; `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t` (dra
 the target id), `t2d` (target ids the draft covers), `mask_hidden`. `d2t` may be left out when the
 draft vocabulary is the target's, `t2d` always (it follows from `d2t`). An `embed_tokens.weight` in
 the file is used; without one the head shares the target's input embedding by reference.
+
+A DFlash folder (z-lab's layout): `architectures: ["DFlashDraftModel"]`, `dflash_config` with
+`target_layer_ids` and `mask_token_id` (optionally `input_embedding_scale`, `output_multiplier`,
+`final_logit_softcapping`; `block_size` there or at the top), Qwen3 layer fields; tensors `fc`,
+`hidden_norm`, `layers.N.*` (with `self_attn.q_norm`, `k_norm`) and `norm`, with or without a
+`model.` prefix. It has no embedding or lm_head: it uses the target's, by reference. DFlash2's
+convolutions and candidate selector are refused, named.
 
 Everything is checked before a tensor is read: the config against the target (vocabulary, hidden
 sizes), the tensor names and shapes against the config. Every problem is named in one
@@ -27,6 +34,8 @@ import torch
 import torch.nn as nn
 
 from specpass.drafters.adapter import DraftAdapter, adapt
+from specpass.drafters.dflash import ARCHITECTURES as DFLASH_ARCHITECTURES
+from specpass.drafters.dflash import DFLASH2_MODULES, DFlashConfig, DFlashDraft
 from specpass.drafters.eagle3 import Eagle3Config, Eagle3Head
 from specpass.drafters.files import CONFIG_FILE, CheckpointError, Weights, read_config_json
 from specpass.drafters.peagle import ParallelEagle3Config, ParallelEagle3Head
@@ -37,12 +46,16 @@ EMBEDDING = "embed_tokens.weight"
 
 
 def load_drafter(directory: str | Path, target: nn.Module, *, device=None, dtype: torch.dtype | None = None
-                 ) -> DraftAdapter:
-    """The EAGLE-3 head in `directory` as a drafter for `target`, on `device` in `dtype` (default:
-    the target's input embedding's). A P-EAGLE head drafts in parallel (`draft_parallel`)."""
+                 ) -> DraftAdapter | DFlashDraft:
+    """The EAGLE-3, P-EAGLE or DFlash head in `directory` as a drafter for `target`, on `device` in
+    `dtype` (default: the target's input embedding's). P-EAGLE and DFlash draft in parallel
+    (`draft_parallel`: one forward makes a round's K drafts)."""
     directory = Path(directory)
+    raw = read_config_json(directory, HINT)
+    if is_dflash(raw):
+        return load_dflash(directory, raw, target, device, dtype)
     embedding, target_hidden, target_vocab = target_facts(target)
-    config = read_head_config(directory)
+    config = read_head_config(directory, raw)
     weights = Weights(directory, HINT)
     names, problems = head_names(weights.specs, config.num_hidden_layers)
     own_embedding = EMBEDDING in names.values()
@@ -54,7 +67,10 @@ def load_drafter(directory: str | Path, target: nn.Module, *, device=None, dtype
     cls = ParallelEagle3Head if isinstance(config, ParallelEagle3Config) else Eagle3Head
     with torch.device("meta"):
         head = cls(config)
-    problems += layout_problems(head, weights, names)
+    optional = {EMBEDDING, "t2d"} | ({"d2t"} if config.draft_vocab_size == config.vocab_size else set())
+    problems += layout_problems(expected_tensors(head), optional, weights, names,
+                                f"{config.num_hidden_layers} layer(s), hidden_size {config.hidden_size}, "
+                                f"draft_vocab_size {config.draft_vocab_size}")
     if problems:
         raise CheckpointError(f"cannot load {directory} as an EAGLE-3 head for this {type(target).__name__}:\n  "
                               + "\n  ".join(problems))
@@ -84,9 +100,69 @@ def target_facts(target: nn.Module) -> tuple[nn.Embedding, int, int]:
     return target.get_input_embeddings(), text.hidden_size, text.vocab_size
 
 
-def read_head_config(directory: Path) -> Eagle3Config:
+def is_dflash(raw: dict[str, Any]) -> bool:
+    """Whether a config.json describes a DFlash draft (DFlash2's too, which `load_dflash` refuses)."""
+    found = raw.get("architectures")
+    return "dflash_config" in raw or isinstance(found, list) and any("DFlash" in str(a) for a in found)
+
+
+def load_dflash(directory: Path, raw: dict[str, Any], target: nn.Module, device, dtype: torch.dtype | None
+                ) -> DFlashDraft:
+    """A DFlash folder as a `ParallelDrafter` over `target`'s input embedding and lm_head."""
+    embedding, target_hidden, target_vocab = target_facts(target)
+    path = directory / CONFIG_FILE
+    found = raw.get("architectures")
+    if not (isinstance(found, list) and set(found) & set(DFLASH_ARCHITECTURES)):
+        raise CheckpointError(f"{path} describes architectures {found!r}, not a DFlash draft "
+                              f"({' or '.join(DFLASH_ARCHITECTURES)}): DFlash2 and other variants are not modelled; "
+                              "use a DFlash checkpoint")
+    try:
+        config = DFlashConfig.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: {exc}; fix the file or use the draft's original config.json") from exc
+    lm_head = target.get_output_embeddings() if callable(getattr(target, "get_output_embeddings", None)) else None
+    lm_head = lm_head if lm_head is not None else getattr(target, "lm_head", None)
+    if not isinstance(lm_head, nn.Module):
+        raise TypeError(f"a DFlash draft scores its drafts with the target's lm_head, and this "
+                        f"{type(target).__name__} has none (get_output_embeddings() or .lm_head)")
+    text = target.config.get_text_config() if callable(getattr(target.config, "get_text_config", None)) else target.config
+    layers = text.num_hidden_layers
+    problems = []
+    if config.hidden_size != target_hidden:
+        problems.append(f"hidden_size {config.hidden_size} != the target's hidden_size {target_hidden} (the draft "
+                        "reads the target's embedding and feeds its lm_head); use a draft made for this target")
+    if config.vocab_size != target_vocab:
+        problems.append(f"vocab_size: the target has {target_vocab} tokens, the draft {config.vocab_size}; use a "
+                        "draft made for this target")
+    outside = [i for i in config.target_layer_ids if not 0 <= i < layers]
+    if outside:
+        problems.append(f"target_layer_ids {outside} are outside the target's {layers} layers (0..{layers - 1}); "
+                        "use a draft made for this target")
+    weights = Weights(directory, HINT)
+    names = {name: name.removeprefix("model.") for name in weights.specs}
+    dflash2 = sorted({part for name in names.values() for part in name.split(".") if part in DFLASH2_MODULES})
+    if dflash2:
+        problems.append(f"the weights hold DFlash2's {dflash2}, which are not modelled; use a DFlash checkpoint")
+    with torch.device("meta"):
+        head = DFlashDraft(config, embedding, lm_head)
+    shared = ("embed_tokens.", "lm_head.")
+    expected = {name: spec for name, spec in expected_tensors(head).items() if not name.startswith(shared)}
+    problems += layout_problems(expected, set(), weights, names,
+                                f"{config.num_hidden_layers} layer(s), hidden_size {config.hidden_size}, "
+                                f"{len(config.target_layer_ids)} target layers")
+    if problems:
+        raise CheckpointError(f"cannot load {directory} as a DFlash draft for this {type(target).__name__}:\n  "
+                              + "\n  ".join(problems))
+    device = embedding.weight.device if device is None else torch.device(device)
+    dtype = embedding.weight.dtype if dtype is None else dtype
+    state = {names[name]: _cast(t, device, dtype) for name, t in weights.read(names).items()}
+    missing, unexpected = head.load_state_dict(state, strict=False, assign=True)
+    assert not unexpected and all(name.startswith(shared) for name in missing), (missing, unexpected)
+    return head.eval()
+
+
+def read_head_config(directory: Path, raw: dict[str, Any]) -> Eagle3Config:
     """config.json as an `Eagle3Config` (a `ParallelEagle3Config` with `parallel_drafting`)."""
-    raw = read_config_json(directory, HINT)
     path = directory / CONFIG_FILE
     found = raw.get("architectures")
     if not (isinstance(found, list) and set(found) & set(ARCHITECTURES)):
@@ -137,10 +213,14 @@ def fit_problems(config: Eagle3Config, vocab_size: int, hidden_size: int, own_em
     return problems
 
 
-def layout_problems(head: Eagle3Head, weights: Weights, names: dict[str, str]) -> list[str]:
-    """The file's tensors against the head config.json describes: missing, unexpected, shapes, dtypes."""
-    expected = {name: (tuple(t.shape), t.dtype) for name, t in head.state_dict().items()}
-    optional = {EMBEDDING, "t2d"} | ({"d2t"} if head.config.draft_vocab_size == head.config.vocab_size else set())
+def expected_tensors(head: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {name: (tuple(t.shape), t.dtype) for name, t in head.state_dict().items()}
+
+
+def layout_problems(expected: dict[str, tuple[tuple[int, ...], torch.dtype]], optional: set[str], weights: Weights,
+                    names: dict[str, str], described: str) -> list[str]:
+    """The file's tensors against the head config.json describes (`described`, in words): missing,
+    unexpected, shapes, dtypes."""
     stored = {ours: (name, *weights.specs[name]) for name, ours in names.items()}
     missing = [name for name in expected if name not in stored and name not in optional]
     unexpected = [name for name, ours in names.items() if ours not in expected]
@@ -163,9 +243,7 @@ def layout_problems(head: Eagle3Head, weights: Weights, names: dict[str, str]) -
         problems.append(f"wrong tensors ({len(wrong)}): " + "; ".join(wrong))
     if missing or unexpected or wrong:
         problems.append(f"{weights.where} does not hold the head {weights.directory / CONFIG_FILE} describes "
-                        f"({head.config.num_hidden_layers} layer(s), hidden_size {head.config.hidden_size}, "
-                        f"draft_vocab_size {head.config.draft_vocab_size}): check config.json against the weights, "
-                        "or copy the folder again")
+                        f"({described}): check config.json against the weights, or copy the folder again")
     return problems
 
 

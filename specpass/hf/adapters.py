@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from specpass.hf.cache import PositionCache, causal, visible
+from specpass.loop.protocols import hidden_indices
 
 ATTENTION = ("sdpa", "eager")  # the implementations that read an arbitrary 4D mask
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -134,8 +135,8 @@ class HFTarget(nn.Module):
         return self.forward_tree(tokens, positions, None, None, None)[0]
 
     def forward_with_hidden(self, tokens: Tensor, positions: Tensor, kind: str) -> tuple[Tensor, Tensor]:
-        """-> (logits [B, T, V], hidden [B, T, 3H]): for kind "eagle3", the concatenated
-        `hidden_states[i]`, i in (2, L//2, L-3), as EAGLE-3 reads them."""
+        """-> (logits [B, T, V], hidden [B, T, n·H]): the `hidden_states` `kind` names, concatenated
+        (`hidden_indices`)."""
         return self.forward_tree(tokens, positions, None, None, kind)
 
     def forward_tree(self, tokens: Tensor, positions: Tensor, slots: Tensor | None, mask: Tensor | None,
@@ -143,11 +144,7 @@ class HFTarget(nn.Module):
         """`specpass.TreeTarget`'s verify, and every other call: tokens, positions (RoPE) [B, T],
         each row's K/V written at slots [B, T], seeing the slots `mask` [B, 1, T, S] bool marks
         (both None: slot = position, seeing slots up to it) -> (logits [B, T, V], the hidden
-        states of `kind`: None, or "eagle3" [B, T, 3H])."""
-        if kind not in (None, "eagle3"):  # "last" (NextN/MTP) is the state before the final norm, not reported
-            raise ValueError(f"a transformers target gives EAGLE-3's hidden states (kind 'eagle3') only, not {kind!r}: "
-                             "it reports its last layer after the final norm; use an EAGLE-3 head or a standalone "
-                             "draft")
+        states of `kind` [B, T, n·H], or None for kind None)."""
         self.cache.write_slots = positions if slots is None else slots
         seen = causal(positions, self.cache.slots) if mask is None else mask
         out = self.model(input_ids=tokens, position_ids=positions,
@@ -155,11 +152,8 @@ class HFTarget(nn.Module):
                          **{self.cache_keyword: self.cache}, use_cache=True, output_hidden_states=kind is not None)
         if kind is None:
             return out.logits, None
-        states = out.hidden_states  # L + 1: the embeddings, then the input of each later layer
-        L = len(states) - 1
-        if L < 3:
-            raise ValueError(f"EAGLE-3 reads layers 2, L//2 and L-3: the target needs 3 layers or more, not {L}")
-        return out.logits, torch.cat([states[i] for i in (2, L // 2, L - 3)], dim=-1)
+        states = out.hidden_states
+        return out.logits, torch.cat([states[i] for i in hidden_indices(kind, len(states) - 1)], dim=-1)
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:
         """`specpass.TreeTarget`'s: every layer's slot dst[b, t] takes slot src[b, t]'s K/V ([B, T])."""

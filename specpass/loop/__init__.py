@@ -1,10 +1,10 @@
 """The speculative-decoding loop, one job per module (docs/loop.md):
 
-    protocols.py  Target, Drafter, ParallelDrafter, TreeTarget, TreeDrafter: what the loop asks of its models
+    protocols.py  Target, Drafter, ChainDrafter, ParallelDrafter, TreeTarget, TreeDrafter: what the loop asks of its models
     steps.py      the pure, traceable steps every round shape shares (verify, judge, accept, ...)
     shapes.py     RoundShape, and round_shape(drafter, k): which shape a drafter's rounds take at K
     plain.py      PLAIN: no drafter, the target's own decoding
-    chain.py      CHAIN: a Drafter's round, K-1 draft steps and a catch-up
+    chain.py      CHAIN: a ChainDrafter's round, K-1 draft steps and a catch-up
     parallel.py   PARALLEL: a ParallelDrafter's round, one draft forward
     tree.py       TREE: a TreeDrafter's round at a TreeShape, a drafted tree verified whole
     tree_math.py  the tree's algorithms: drafting, greedy and lossless sampled acceptance
@@ -17,7 +17,7 @@
 
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, price
 from specpass.loop.driver import Decoder, Metrics, Output, Run
-from specpass.loop.protocols import Drafter, ParallelDrafter, Target, TreeDrafter, TreeTarget
+from specpass.loop.protocols import ChainDrafter, Drafter, ParallelDrafter, Target, TreeDrafter, TreeTarget
 from specpass.loop.runtime import COMPILERS
 from specpass.loop.shapes import RoundShape, cache_slots, round_shape
 from specpass.loop.steps import Carry, Proposal, State, Steps
@@ -26,6 +26,7 @@ from specpass.loop.tree import TREES, TreeShape
 __all__ = [
     "COMPILERS",
     "Carry",
+    "ChainDrafter",
     "Decoder",
     "Drafter",
     "KChoice",

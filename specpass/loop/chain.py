@@ -1,5 +1,5 @@
 """The chain round: K-1 draft steps, verify, accept, then the drafter's catch-up on the verified
-rows, whose live row drafts the next round's d_1. Any `Drafter` (EAGLE-3, NextN/MTP, a standalone
+rows, whose live row drafts the next round's d_1. Any `ChainDrafter` (EAGLE-3, NextN/MTP, a standalone
 draft) gets this shape.
 
     draft     d_2..d_K: K-1 draft steps at positions n+1..n+K-1                        [B, K]
@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 
 from specpass.loop import steps
-from specpass.loop.protocols import Drafter, Target
+from specpass.loop.protocols import ChainDrafter, Target
 from specpass.loop.steps import Carry, Proposal, Steps, is_int
 from specpass.sampling import Params
 
 
-def draft(drafter: Drafter, k: int, sampled: bool, d1: Tensor, q1: Proposal | None, pos: Tensor, h: Tensor,
+def draft(drafter: ChainDrafter, k: int, sampled: bool, d1: Tensor, q1: Proposal | None, pos: Tensor, h: Tensor,
           params: Params | None) -> tuple[Tensor, Proposal | None]:
     """d_1 [B] (and its proposal), n [B], the catch-up's hidden [B, Hd] -> d_1..d_K [B, K] (target
     ids) and their proposals [B, K, Vd], [B, K]: K-1 draft steps."""
@@ -36,7 +36,7 @@ def draft(drafter: Drafter, k: int, sampled: bool, d1: Tensor, q1: Proposal | No
     return torch.stack(drafts, 1), Proposal(*(torch.stack(parts, 1) for parts in zip(*proposals)))
 
 
-def catch_up_round(drafter: Drafter, sampled: bool, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor,
+def catch_up_round(drafter: ChainDrafter, sampled: bool, y: Tensor, pos: Tensor, hidden: Tensor | None, a: Tensor,
                    params: Params | None) -> tuple[Tensor, Proposal | None, Tensor]:
     """The drafter on y_0..y_K at positions n+1..n+K+1, live row a -> (next d_1 [B], its proposal,
     hidden [B, Hd]).
@@ -49,7 +49,7 @@ def catch_up_round(drafter: Drafter, sampled: bool, y: Tensor, pos: Tensor, hidd
     return d1, q1, h
 
 
-def catch_up_prompt(drafter: Drafter, sampled: bool, tokens: Tensor, positions: Tensor, hidden: Tensor | None,
+def catch_up_prompt(drafter: ChainDrafter, sampled: bool, tokens: Tensor, positions: Tensor, hidden: Tensor | None,
                     live: Tensor, n: Tensor, params: Params | None) -> Carry:
     """The prefill's drafter half: the prompt and x_n (tokens, positions [B, T]), live row [B] at x_n,
     at position n [B] -> the first round's carry (d_1 at n+1, its proposal, hidden)."""
@@ -58,9 +58,9 @@ def catch_up_prompt(drafter: Drafter, sampled: bool, tokens: Tensor, positions: 
 
 
 class ChainRound:
-    """The `RoundShape` of a `Drafter`: K-1 draft steps and a catch-up per round."""
+    """The `RoundShape` of a `ChainDrafter`: K-1 draft steps and a catch-up per round."""
 
-    drafter_protocol = Drafter
+    drafter_protocol = ChainDrafter
     prefill_reads_k = False  # the prefill's catch-up drafts d_1 only: every K shares one compiled prefill
 
     def cache_slots(self, prompt_len: int, max_new_tokens: int, k: int) -> int:
@@ -72,13 +72,13 @@ class ChainRound:
     def takes(self, k: object) -> bool:
         return is_int(k) and k >= 1
 
-    def bind(self, target: Target, drafter: Drafter, k: int, sampled: bool, slots: int) -> Steps:
+    def bind(self, target: Target, drafter: ChainDrafter, k: int, sampled: bool, slots: int) -> Steps:
         return Steps(draft=functools.partial(draft, drafter, k, sampled),
                      verify=functools.partial(steps.verify, target, drafter.hidden_kind, drafter),
                      accept=steps.accept,
                      catch_up=functools.partial(catch_up_round, drafter, sampled))
 
-    def prefill_catch_up(self, drafter: Drafter, k: int, sampled: bool) -> Callable[..., Carry]:
+    def prefill_catch_up(self, drafter: ChainDrafter, k: int, sampled: bool) -> Callable[..., Carry]:
         return functools.partial(catch_up_prompt, drafter, sampled)
 
 

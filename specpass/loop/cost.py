@@ -19,7 +19,8 @@ class KChoice:
     tokens_per_ms: dict[Any, float]  # K -> tokens per ms per request: the chain's priced, plain's and trees' measured
     why: dict[Any, str]  # K -> why it was timed: given in `ks`, the search's reason, off, a tree shape
     verified: bool  # the chain's K and its neighbours were all timed (False: max_timings stopped the search)
-    tree_acceptance: dict[Any, list[float]] = dataclasses.field(default_factory=dict)  # tree -> per depth, measured
+    own_acceptance: dict[Any, list[float]] = dataclasses.field(default_factory=dict)  # tree, or K of a drafter
+    # whose drafts depend on K -> per depth, measured at it
 
 
 def pooled_acceptance(runs: Sequence[Any]) -> list[float]:

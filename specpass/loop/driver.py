@@ -359,8 +359,10 @@ class Decoder:
         Then, against that K's tokens per ms: plain decoding (off=True), timed (a round emits one
         token), and each shape of `trees` (e.g. `specpass.loop.TREES`), timed with its accepted length
         measured on `prompts` (a tree's acceptance is its own: no chain run gives it; measure it on
-        long enough generates, `new_tokens`). The most tokens per ms wins. sampling: generate's
-        temperature / top_k / top_p / seed the traffic is served with (default greedy): every
+        long enough generates, `new_tokens`). The most tokens per ms wins. A drafter whose drafts
+        depend on K (`drafts_nest` False: DFlash's block, whose positions attend to each other both
+        ways) has no shared acceptance: each K in `ks` is timed and priced with its own, measured.
+        sampling: generate's temperature / top_k / top_p / seed the traffic is served with (default greedy): every
         round is timed and every acceptance measured with them. on_timed(k, ms) is called after
         each K or shape is timed.
 
@@ -371,6 +373,10 @@ class Decoder:
         if self.drafter is None:
             raise ValueError("plain decoding (drafter=None) drafts nothing: there is no K to tune")
         timed = check_tuning(ks, acceptance, new_tokens, repeats, max_timings)
+        nests = getattr(self.drafter, "drafts_nest", True)  # a run at K gives every smaller K's acceptance
+        if acceptance is not None and not nests:
+            raise ValueError("acceptance= prices every K from one run, but this drafter's drafts depend on K "
+                             "(drafts_nest is False: a DFlash block): leave it None, each K's is measured")
         sampling = check_sampling(sampling)
         for tree in trees:
             check_k(self.drafter, tree)
@@ -396,19 +402,25 @@ class Decoder:
                 on_timed(k, ms)
             return ms, measured
 
-        round_ms, why, measured = {}, {}, []
+        round_ms, why, per_depth = {}, {}, {}
         for k in timed:
-            round_ms[k], measured = time_k(k)
+            round_ms[k], per_depth[k] = time_k(k)
             why[k] = "given"
-        acceptance = list(measured if acceptance is None else acceptance)
-        candidates = acceptance[:next((k - 1 for k in range(1, len(acceptance) + 1) if not fits(k)), None)]
-        while (k := next_k_to_time(round_ms, candidates)) is not None and len(why) < len(timed) + max_timings:
-            best = choose_k(round_ms, candidates)
-            why[k] = "priced best" if k == best else f"neighbour of K {best}, priced best"
-            round_ms[k], _ = time_k(k)
-        verified = k is None
-        rates = {k: expected_accept_length(acceptance[:k]) / ms for k, ms in price(round_ms, len(candidates)).items()}
-        chosen, per_depth = choose_k(round_ms, candidates), {}
+        if nests:
+            acceptance = list(per_depth[timed[-1]] if acceptance is None else acceptance)
+            per_depth = {}
+            candidates = acceptance[:next((k - 1 for k in range(1, len(acceptance) + 1) if not fits(k)), None)]
+            while (k := next_k_to_time(round_ms, candidates)) is not None and len(why) < len(timed) + max_timings:
+                best = choose_k(round_ms, candidates)
+                why[k] = "priced best" if k == best else f"neighbour of K {best}, priced best"
+                round_ms[k], _ = time_k(k)
+            verified = k is None
+            rates = {k: expected_accept_length(acceptance[:k]) / ms for k, ms in price(round_ms, len(candidates)).items()}
+            chosen = choose_k(round_ms, candidates)
+        else:  # each K drafts its own tokens (a DFlash block): each timed K priced with its own acceptance
+            acceptance = per_depth[timed[-1]]
+            rates = {k: expected_accept_length(per_depth[k]) / round_ms[k] for k in timed}
+            chosen, verified = max(rates, key=rates.get), True
         for k in [0] * off + list(trees):
             round_ms[k], per_depth[k] = time_k(k)
             why[k] = "the drafter off: plain decoding" if k == 0 else "a tree shape"

@@ -2,8 +2,9 @@
 which one a drafter gets. One module per shape, each exposing one `RoundShape` object:
 
     plain.py     PLAIN     K 0 (or no drafter): the target's own decoding
-    chain.py     CHAIN     K >= 1, a `Drafter`: K-1 draft steps, then a catch-up
+    chain.py     CHAIN     K >= 1, a `ChainDrafter`: K-1 draft steps, then a catch-up
     parallel.py  PARALLEL  K >= 1, a `ParallelDrafter`: one draft forward makes the next round's K drafts
+                           (P-EAGLE's mask slots, DFlash's block)
     tree.py      TREE      a `TreeShape`, a `TreeDrafter` (and a `TreeTarget`): a drafted tree verified whole
 
 A shape is chosen by the K it `takes` and the drafter Protocol it needs, so one drafter may run
@@ -53,13 +54,18 @@ SHAPES: tuple[RoundShape, ...] = (TREE, PARALLEL, CHAIN)  # the drafter shapes, 
 def round_shape(drafter: Any, k: object = 1) -> RoundShape:
     """The shape of the rounds `drafter` drafts at `k`: PLAIN at K 0 or without a drafter, TREE at a
     `TreeShape`, else the narrowest Protocol the drafter satisfies. A drafter that lacks members of
-    `Drafter` (of `TreeDrafter` at a TreeShape) is refused, naming them."""
+    `Drafter`, of `TreeDrafter` at a TreeShape, or of every shape's at an int K is refused, naming them."""
     if drafter is None or PLAIN.takes(k):
         return PLAIN
     require(drafter, "drafter", Drafter)  # every drafter shape's Protocol extends Drafter
     if TREE.takes(k):
         require(drafter, "drafter of tree rounds", TREE.drafter_protocol)
-    return next(shape for shape in SHAPES if shape.takes(k) and not missing(drafter, shape.drafter_protocol))
+    shape = next((s for s in SHAPES if s.takes(k) and not missing(drafter, s.drafter_protocol)), None)
+    if shape is None:
+        lacks = {s.drafter_protocol.__name__: missing(drafter, s.drafter_protocol) for s in SHAPES if s.takes(k)}
+        raise TypeError(f"the drafter ({type(drafter).__name__}) drafts in no round shape: it lacks "
+                        + " or ".join(f"{names} (specpass.{name})" for name, names in lacks.items()))
+    return shape
 
 
 def cache_slots(prompt_len: int, max_new_tokens: int, k: int | TreeShape) -> int:
