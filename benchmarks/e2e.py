@@ -63,7 +63,7 @@ CHECKPOINTS = harness.ROOT / "checkpoints"
 TARGET, DRAFTERS = CHECKPOINTS / "stdlib-llama", {"eagle3": ("eagle", CHECKPOINTS / "stdlib-llama-eagle3"),
                                                    "draft": ("draft", CHECKPOINTS / "stdlib-llama-draft"),
                                                    "parallel": ("parallel", CHECKPOINTS / "stdlib-llama-peagle3"),
-                                                   "dflash": ("dflash", CHECKPOINTS / "stdlib-llama-dflash")}
+                                                   "dflash": ("block", CHECKPOINTS / "stdlib-llama-dflash")}
 LOOPS = {"inductor-apart": ("inductor", False), "specpass-apart": ("specpass", False),
          "specpass-fused": ("specpass", True)}
 SWEPT = ("eagle3/specpass-fused", "parallel/specpass-fused", "dflash/specpass-fused")  # the variants also run at each K of --k-sweep

@@ -4,7 +4,7 @@
     python examples/generate.py --check           # also: every token equal to plain greedy decoding?
     python examples/generate.py --draft checkpoints/stdlib-llama-draft --k 3
     python examples/generate.py --target T --nextn N --prompt "def f(x):" --device cuda --dtype bfloat16
-    python examples/generate.py --dflash checkpoints/stdlib-llama-dflash --k 15      # a DFlash block draft
+    python examples/generate.py --block checkpoints/stdlib-llama-dflash --k 15       # a DFlash block draft
     python examples/generate.py --temperature 0.6 --top-p 0.95 --seed 0   # speculative sampling
 
 The default pair (checkpoints/, made by examples/train.py) is a 19M-parameter Llama trained on the
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     draft = parser.add_mutually_exclusive_group()
     draft.add_argument("--eagle", type=pathlib.Path, help=f"EAGLE-3 head folder (default: {DEFAULT_EAGLE.name})")
     draft.add_argument("--parallel", type=pathlib.Path, help="parallel-drafting EAGLE-3 head folder (P-EAGLE)")
-    draft.add_argument("--dflash", type=pathlib.Path, help="DFlash block draft folder (z-lab's layout)")
+    draft.add_argument("--block", type=pathlib.Path, help="block draft folder (DFlash, z-lab's layout)")
     draft.add_argument("--nextn", type=pathlib.Path, help="NextN/MTP layer folder (DeepSeek-V3 or Qwen3.5)")
     draft.add_argument("--draft", type=pathlib.Path, help="standalone Llama draft folder")
     parser.add_argument("--prompt", action="append", help="repeat for a batch (default: held-out prompts)")
@@ -146,14 +146,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--device {args.device}: {exc}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}, but this torch sees no CUDA GPU: use --device cpu")
-    if not (args.eagle or args.parallel or args.dflash or args.nextn or args.draft):
+    if not (args.eagle or args.parallel or args.block or args.nextn or args.draft):
         args.eagle = DEFAULT_EAGLE
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    kind, draft_dir = next((k, getattr(args, k)) for k in ("eagle", "parallel", "dflash", "nextn", "draft") if getattr(args, k))
+    kind, draft_dir = next((k, getattr(args, k)) for k in ("eagle", "parallel", "block", "nextn", "draft") if getattr(args, k))
     try:
         target, drafter = load_pair(args.target, kind, draft_dir, device=args.device, dtype=DTYPES[args.dtype])
         texts = args.prompt or load_prompts()[: args.num_prompts]

@@ -27,9 +27,9 @@ from models.peagle import ParallelEagle3Head
 from specpass import drafters
 from specpass.drafters.load import fit_problems
 
-KINDS = {"eagle": Eagle3Head, "parallel": ParallelEagle3Head, "dflash": drafters.DFlashDraft, "nextn": NextN,
-         "draft": Llama}  # the example's --eagle/--parallel/--dflash/--nextn/--draft
-LIBRARY_KINDS = ("eagle", "parallel", "dflash")  # public formats, loaded (and checked) by specpass.load_drafter
+KINDS = {"eagle": Eagle3Head, "parallel": ParallelEagle3Head, "block": drafters.DFlashDraft, "nextn": NextN,
+         "draft": Llama}  # the example's --eagle/--parallel/--block/--nextn/--draft
+LIBRARY_KINDS = ("eagle", "parallel", "block")  # public formats, loaded (and checked) by specpass.load_drafter
 
 
 def hidden_kind(model: nn.Module) -> str | None:
@@ -79,10 +79,10 @@ def check_pair(target: LlamaConfig, draft: Eagle3Config | NextNConfig | LlamaCon
 
 def load_pair(target_dir: str | Path, kind: str, draft_dir: str | Path, device=None,
               dtype: torch.dtype | None = None) -> tuple[Llama, drafters.DraftAdapter]:
-    """Load a Llama target and a draft of `kind` ("eagle", "parallel", "dflash", "nextn" or "draft"),
+    """Load a Llama target and a draft of `kind` ("eagle", "parallel", "block" (DFlash), "nextn" or "draft"),
     checked against each other from their config.json files before any weight is read."""
     target_config, _ = read_config(Llama, target_dir)
-    if kind != "dflash":  # the library's loader checks a DFlash draft against the loaded target
+    if kind != "block":  # the library's loader checks a DFlash draft against the loaded target
         check_pair(target_config, read_config(KINDS[kind], draft_dir)[0])
     target = load(Llama, target_dir, device=device, dtype=dtype)
     return target, load_drafter(target, kind, draft_dir, device=device, dtype=dtype)
@@ -94,10 +94,10 @@ def load_drafter(target: Llama, kind: str, draft_dir: str | Path, device=None,
     library's loader (sharing the target's embedding), the others as zoo checkpoints."""
     if kind in LIBRARY_KINDS:
         drafter = drafters.load_drafter(draft_dir, target, device=device, dtype=dtype)
-        found = ("dflash" if isinstance(drafter, drafters.DFlashDraft)
+        found = ("block" if isinstance(drafter, drafters.DFlashDraft)
                  else "parallel" if isinstance(drafter, drafters.ParallelDraftAdapter) else "eagle")
         if found != kind:
-            names = dict(eagle="chain EAGLE-3", parallel="parallel-drafting (P-EAGLE)", dflash="DFlash")
+            names = dict(eagle="chain EAGLE-3", parallel="parallel-drafting (P-EAGLE)", block="DFlash block")
             raise CheckpointError(f"{draft_dir} holds a {names[found]} head, not a {names[kind]} one: load it as "
                                   f"{found!r}")
         return drafter

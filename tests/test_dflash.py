@@ -136,20 +136,22 @@ def plain(model, prompts, new):
 def test_greedy_tokens_equal_plain_decoding(tmp_path, kind):
     model = make_target(kind)
     draft = load_drafter(dflash_folder(tmp_path), model)
-    want = plain(model, PROMPTS, 20)
-    for k in (1, 3, 7):
-        out = Decoder(HFTarget(model), draft, k=k, max_batch=3, max_len=64, compile="eager").generate(PROMPTS, 20)
-        assert out.tokens == want.tokens, k
+    for prompts in (PROMPTS, PROMPTS[1:2]):  # ragged; bs 1
+        want = plain(model, prompts, 20)
+        for k in (1, 3, 7):
+            dec = Decoder(HFTarget(model), draft, k=k, max_batch=len(prompts), max_len=64, compile="eager")
+            assert dec.generate(prompts, 20).tokens == want.tokens, (len(prompts), k)
 
 
-def test_generate_with_a_dflash_draft_compiled(tmp_path, qwen3):
-    """specpass.generate, compiled by specpass (fused round, eager handoff): model.generate's tokens."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_generate_with_a_dflash_draft_compiled(tmp_path, qwen3, fused):
+    """specpass.generate, compiled by specpass (eager handoff), the round fused or apart: model.generate's tokens."""
     draft = load_drafter(dflash_folder(tmp_path), qwen3)
     ids = torch.tensor([[0, 0, 5, 6, 7], [9, 2, 6, 5, 35]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     want = qwen3.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     out = specpass.generate(qwen3, ids, attention_mask=mask, assistant_model=draft, max_new_tokens=12,
-                            num_assistant_tokens=4, compile=specpass.backend(handoff="eager"), fused_round=True,
+                            num_assistant_tokens=4, compile=specpass.backend(handoff="eager"), fused_round=fused,
                             pad_token_id=0, return_dict_in_generate=True)
     assert torch.equal(out.sequences, want)
     assert any("[argmax]" in line for lines in out.rewrites.values() for line in lines), out.rewrites

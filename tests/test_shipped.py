@@ -49,7 +49,7 @@ def test_transformers_loads_the_target_and_decodes_the_same_tokens(target, promp
 @pytest.mark.parametrize("kind, folder, min_accept", [("eagle", "stdlib-llama-eagle3", 2.5),
                                                        ("draft", "stdlib-llama-draft", 1.5),
                                                        ("parallel", "stdlib-llama-peagle3", 2.3),
-                                                       ("dflash", "stdlib-llama-dflash", 2.3)])
+                                                       ("block", "stdlib-llama-dflash", 2.3)])
 def test_shipped_drafters_are_lossless_and_accepted(target, prompts, kind, folder, min_accept):
     k = 4
     max_len = cache_slots(max(map(len, prompts)), NEW, k)
@@ -70,3 +70,17 @@ def test_dflash_config_carries_the_names_z_lab_writes():
     config = json.loads((CHECKPOINTS / "stdlib-llama-dflash" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 16
     assert config["dflash_config"]["target_layer_ids"] == [1, 5, 9] and config["dflash_config"]["mask_token_id"] == BOS
+
+
+def test_the_block_draft_reads_the_target_s_states(target, prompts):
+    """The context path is live: with `fc` zeroed (no context from the target's states), the shipped
+    block draft still decodes losslessly but accepts measurably less."""
+    drafter = load_drafter(target, "block", CHECKPOINTS / "stdlib-llama-dflash")
+    shape = dict(max_batch=len(prompts), max_len=cache_slots(max(map(len, prompts)), NEW, 8), compile="eager")
+    plain = Decoder(target, None, **shape).generate(prompts, NEW)
+    seeing = Decoder(target, drafter, k=8, **shape).generate(prompts, NEW)
+    with torch.no_grad():
+        drafter.fc.weight.zero_()
+    blind = Decoder(target, drafter, k=8, **shape).generate(prompts, NEW)
+    assert seeing.tokens == blind.tokens == plain.tokens
+    assert seeing.metrics.accept_length > blind.metrics.accept_length + 0.5, (seeing.metrics, blind.metrics)
