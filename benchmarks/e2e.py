@@ -22,8 +22,9 @@ of new tokens per request:
                  per step), specpass-apart, specpass-fused (one graph per round)}
 K = 4 for every loop, and each K of --k-sweep for eagle3/, parallel/ and dflash/specpass-fused
 (or the --swept ones; the best K per batch size); each tree shape of --trees (TOPK,STEPS,TOKENS;...)
-for the swept EAGLE-3 variant; with --tuned, the loop's own choice (`Decoder.tune_k` among plain
-decoding, chain K and the --trees shapes, before the timed runs: rounds timed on the first batch,
+for the swept EAGLE-3 variant; with --tuned, the loop's own choice for the EAGLE-3 head and for the
+block draft (`Decoder.tune_k` among plain decoding, each --tune-ks K (the chain's search around them)
+and, for the EAGLE-3 head, the --trees shapes, before the timed runs: rounds timed on the first batch,
 acceptance measured on every batch; its "compile s" includes the tuning). With --batches N each
 timed pass generates N batches of bs prompts in turn (the next held-out prompts each) and pools
 them. "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
@@ -140,10 +141,11 @@ class Bench:
         is reused (its compiled graphs too), so "compile s" is then the new graph's alone."""
         import copy
 
-        from specpass.loop import Decoder, cache_slots
+        from specpass.loop import Decoder, TreeDrafter, cache_slots
 
         new = self.args.new_tokens
-        ks = [k for v in variants for k in ([*range(1, 9), *self.args.trees] if v[4] == TUNED else [v[4]])]
+        ks = [k for v in variants
+              for k in ([*range(1, 9), *self.args.tune_ks, *self.args.trees] if v[4] == TUNED else [v[4]])]
         longest = max((new, *(self.args.tune_tokens if any(v[4] == TUNED for v in variants) else ())))
         prompts = batches[0]
         longest_prompt = max(len(p) for batch in batches for p in batch)
@@ -162,8 +164,9 @@ class Bench:
             decoders[variant] = decoder = self.decoders[variant, len(prompts), max_len]
             if k == TUNED:  # the loop's own choice, timed on these prompts (the GPU its own while it times)
                 with harness.exclusive(self.args.gpu_lock):
+                    trees = self.args.trees if isinstance(decoder.drafter, TreeDrafter) else ()  # a block drafts none
                     choice = decoder.tune_k([p for batch in batches for p in batch], self.args.tune_ks, off=True,
-                                            trees=self.args.trees, new_tokens=self.args.tune_tokens, sampling=sampling)
+                                            trees=trees, new_tokens=self.args.tune_tokens, sampling=sampling)
                 print(f"    tune_k chose {choice.k}: tokens/ms {({str(c): round(v, 3) for c, v in choice.tokens_per_ms.items()})}",
                       file=sys.stderr)
             first = decoder.generate(prompts, new, **sampling)  # compiles, records the CUDA graphs
@@ -285,9 +288,10 @@ def sweep(args, save) -> list[dict]:
         if f"{drafter}/{loop}" in args.variants:
             sweep_k = [k for k in args.k_sweep if k != args.k] if f"{drafter}/{loop}" in args.swept else []
             loops += [(f"{drafter}/{loop}", drafter, compile, fused, k) for k in [args.k, *sweep_k]]
-            if f"{drafter}/{loop}" == SWEPT[0]:  # the EAGLE-3 head's trees (when swept), its own choice
+            if f"{drafter}/{loop}" == SWEPT[0]:  # the EAGLE-3 head's trees (when swept)
                 loops += [(f"{drafter}/{loop}", drafter, compile, fused, tree) for tree in args.trees
                           if f"{drafter}/{loop}" in args.swept]
+            if f"{drafter}/{loop}" in (SWEPT[0], SWEPT[2]):  # the chain head's and the block draft's own choice
                 loops += [(f"{drafter}/{loop}/tuned", drafter, compile, fused, TUNED)] * args.tuned
     for bs in args.bs:
         batches = bench.batches(bs)
