@@ -166,6 +166,8 @@ def test_bf16_target_and_model_prefix(tmp_path):
     assert draft.fc.weight.dtype == torch.bfloat16
     assert draft.embed_tokens is model.get_input_embeddings() and draft.lm_head is model.get_output_embeddings()
     assert draft.hidden_kind == "layers:0,2,3"
+    with pytest.raises(ValueError, match="a DFlash draft runs on the target's lm_head .torch.bfloat16 on cpu."):
+        load_drafter(dflash_folder(tmp_path / "again"), model, dtype=torch.float32)
 
 
 def refused(monkeypatch, folder, target, *words):

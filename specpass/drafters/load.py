@@ -153,9 +153,14 @@ def load_dflash(directory: Path, raw: dict[str, Any], target: nn.Module, device,
     if problems:
         raise CheckpointError(f"cannot load {directory} as a DFlash draft for this {type(target).__name__}:\n  "
                               + "\n  ".join(problems))
-    device = embedding.weight.device if device is None else torch.device(device)
-    dtype = embedding.weight.dtype if dtype is None else dtype
-    state = {names[name]: _cast(t, device, dtype) for name, t in weights.read(names).items()}
+    weight = lm_head.weight
+    asked = None if device is None else torch.device(device)
+    index = None if asked is None else weight.device.index if asked.index is None else asked.index
+    elsewhere = asked is not None and (asked.type, index) != (weight.device.type, weight.device.index)
+    if elsewhere or (dtype is not None and dtype != weight.dtype):
+        raise ValueError(f"a DFlash draft runs on the target's lm_head ({weight.dtype} on {weight.device}), so in its "
+                         f"dtype and on its device: leave device and dtype unset (got {device}, {dtype})")
+    state = {names[name]: _cast(t, weight.device, weight.dtype) for name, t in weights.read(names).items()}
     missing, unexpected = head.load_state_dict(state, strict=False, assign=True)
     assert not unexpected and all(name.startswith(shared) for name in missing), (missing, unexpected)
     return head.eval()
