@@ -67,7 +67,7 @@ from models.peagle import ParallelEagle3Config, ParallelEagle3Head  # noqa: E402
 from models.text import BOS  # noqa: E402
 from models.text import HELD_OUT, VOCAB, corpus, make_prompts  # noqa: E402
 from specpass.drafters.dflash import DFlashConfig, DFlashDraft  # noqa: E402
-from specpass.drafters.rope import apply_rope, rope  # noqa: E402
+from specpass.drafters.rope import rope  # noqa: E402
 
 TARGET = LlamaConfig(vocab_size=VOCAB, hidden_size=384, intermediate_size=1024, num_hidden_layers=12,
                      num_attention_heads=6, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
@@ -283,8 +283,7 @@ def dflash_rows(draft: DFlashDraft, x: torch.Tensor, features: torch.Tensor, anc
                       block[:, None] == block[None, :]], dim=1)  # [N, L + N]: and its own block
     for layer in draft.layers:
         a = layer.self_attn
-        k_ctx = apply_rope(a.k_norm(a.k_proj(ctx).view(B, L, a.n_kv_heads, a.head_dim)), *rope_ctx)
-        v_ctx = a.v_proj(ctx).view(B, L, a.n_kv_heads, a.head_dim)
+        k_ctx, v_ctx = a.context_kv(ctx, rope_ctx)
         q, k_blk, v_blk, _ = a.project(layer.input_layernorm(h), rope_block)
         h = h + a.output(attention(q, torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1), mask), None)
         h = h + layer.mlp(layer.post_attention_layernorm(h))

@@ -127,9 +127,7 @@ class Llama(Draft):
                             kind: str = "eagle3") -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B, T, V], hidden): kind "eagle3" -> [B, T, 3H], "layers:i,j,.." -> [B, T, n·H],
         "last" -> [B, T, H] (see module doc)."""
-        if kind != "last":
-            hidden_indices(kind, self.config.num_hidden_layers)  # a kind it does not know: named
-        return self.forward_tree(tokens, positions, None, None, kind)
+        return self.forward_tree(tokens, positions, None, None, kind)  # a kind it does not know: named there
 
     def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor | None,
                      mask: torch.Tensor | None, kind: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:

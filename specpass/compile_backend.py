@@ -71,7 +71,7 @@ def backend(**options: Any) -> Callable[..., Callable]:
                 aten_gm = to_aten_ir(gm, example_inputs)
             except Exception as exc:
                 warn(f"specpass could not capture this graph ({type(exc).__name__}: {exc}); "
-                      "compiling it without rewrites")
+                     "compiling it without rewrites")
                 return handoff(gm, example_inputs)
 
             try:
@@ -82,7 +82,7 @@ def backend(**options: Any) -> Callable[..., Callable]:
                     adopt_dynamo_inputs(gm, compiled)
             except Exception as exc:  # the pipeline's own checks failed on the unrewritten graph
                 warn(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
-                      "compiling it without rewrites")
+                     "compiling it without rewrites")
                 return handoff(gm, example_inputs)
             with timer.timed("cache/store"):
                 _store(cache_key, result)
@@ -102,7 +102,7 @@ def backend(**options: Any) -> Callable[..., Callable]:
             return handoff(result.graph_module, example_inputs)
         except Exception as exc:
             warn(f"compiling the rewritten graph failed ({type(exc).__name__}: {exc}); "
-                  "compiling it without rewrites")
+                 "compiling it without rewrites")
             return handoff(aten_gm if aten_gm is not None else _unrewritten(gm, example_inputs), example_inputs)
 
     specpass_backend.options = base  # type: ignore[attr-defined]
@@ -144,7 +144,7 @@ def _store(cache_key: str | None, result: RewriteResult) -> None:
             log.info("specpass: rewrite stored in the compile cache (key %s)", cache_key)
     except Exception as exc:
         warn(f"specpass could not write its compile cache ({type(exc).__name__}: {exc}); the graph is compiled "
-              "as rewritten")
+             "as rewritten")
 
 
 def _unrewritten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:

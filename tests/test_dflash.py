@@ -4,6 +4,7 @@ reference written from z-lab's model, and the loop lossless with it (greedy and 
 fused, batched and ragged) through `Decoder` and `specpass.generate`. fp32, CPU, random weights."""
 
 import json
+import tempfile
 from pathlib import Path
 
 import expecttest
@@ -14,11 +15,11 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import specpass
-from specpass.drafters import CheckpointError, DFlashConfig, DFlashDraft, load_drafter
+from specpass.drafters import DFlashConfig, DFlashDraft, load_drafter
 from specpass.hf.adapters import HFTarget
 from specpass.loop import Decoder
 from specpass.testing import graph_str
-from tests.test_models_blocks import CountReads
+from tests.test_drafters import refused
 
 V, H, LAYERS = 96, 64, 4
 SIZES = dict(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
@@ -170,14 +171,6 @@ def test_bf16_target_and_model_prefix(tmp_path):
         load_drafter(dflash_folder(tmp_path / "again"), model, dtype=torch.float32)
 
 
-def refused(monkeypatch, folder, target, *words):
-    counter = CountReads(monkeypatch)
-    with pytest.raises(CheckpointError) as info:
-        load_drafter(folder, target)
-    assert counter.reads == 0, "tensors were read before the checkpoint was checked"
-    assert all(w in str(info.value) for w in words), str(info.value)
-
-
 @pytest.mark.parametrize("changes, words", [
     (dict(target_layer_ids=[0, 4]), ["target_layer_ids [4] are outside the target's 4 layers (0..3)"]),
     (dict(hidden_size=32), ["hidden_size 32 != the target's hidden_size 64"]),
@@ -225,8 +218,6 @@ class TestTheBlockForwardRewritten(expecttest.TestCase):
     dropped after the last attention: o_proj, the MLP, the norm and the lm_head run on K rows."""
 
     def test_graph_after_the_last_attention(self):
-        import tempfile
-
         model = make_target("qwen3")
         draft = load_drafter(dflash_folder(Path(tempfile.mkdtemp()), layers=1), model)
         k = 3

@@ -1,6 +1,7 @@
 """examples/train.py: its cache-free training forwards compute what inference computes — the
 Llama forward, and EAGLE-3's training-time test row for row against catch-up + draft steps with
-ZooDrafter's alignment — and a CPU smoke run trains, evaluates and writes loadable folders."""
+ZooDrafter's alignment, P-EAGLE's and DFlash's rows against their draft forwards — and a CPU smoke
+run trains, evaluates and writes loadable folders."""
 
 import dataclasses
 import importlib.util
@@ -244,3 +245,37 @@ def test_init_from_a_folder_that_is_no_chain_head_is_refused(chain_run):
                                               r"not a checkpoint Eagle3Head loads"):
         train.main([*bad, "--out", str(out / "bad")])
     assert not (out / "bad" / "stdlib-llama-peagle3").exists()
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_dflash_rows_are_the_block_forward(layers):
+    """The block at anchor s in the training forward == inference's block forward after a prefill of
+    s tokens (the context: the target's states at 0..s-1), in a one- and a two-layer draft. fp32."""
+    torch.manual_seed(0)
+    target = Llama(train.TINY["target"]).eval()
+    cfg = dataclasses.replace(train.TINY["dflash"], num_hidden_layers=layers)
+    draft = train.DFlashDraft(cfg, target.model.embed_tokens, target.lm_head).eval()
+    L, K = 12, cfg.block_size - 1
+    x = torch.randint(0, VOCAB, (2, L), generator=torch.Generator().manual_seed(2))
+    anchors = torch.tensor([1, 3, L - K])
+    with torch.no_grad():
+        _, features = train.llama_forward(target, x, tuple(i + 1 for i in cfg.target_layer_ids))
+        features = torch.cat(features, -1)  # [B, L, n·H]: the outputs of target_layer_ids
+        rows = train.dflash_rows(draft, x, features, anchors, K)  # [B, M, K, V]
+        for m, s in enumerate(anchors.tolist()):
+            draft.setup_caches(2, L + K + 1)
+            want = draft.draft_parallel(x[:, 1 : s + 1], torch.arange(1, s + 1).expand(2, s), features[:, :s],
+                                        torch.full((2,), s - 1), K)  # row t: the token at t + 1, the state at t
+            close(rows[:, m], want)
+
+
+def test_dflash_draft_learns_every_position(tmp_path):
+    """A few steps from a trained target lower the KL at every draft position, and write z-lab's folder."""
+    train.main([*SMOKE, "--target-steps", "5", "--drafts-steps", "1", "--out", str(tmp_path)])
+    log = train.main([*SMOKE, "--dflash", "--target", str(tmp_path / "stdlib-llama"), "--blocks", "8",
+                      "--drafts-steps", "30", "--out", str(tmp_path)])
+    first, final = log["dflash"]["loss_first"], log["dflash"]["loss_final"]
+    assert all(b < a for a, b in zip(first, final)), (first, final)
+    assert len(log["eval"]["agreement"]) == train.TINY["dflash"].block_size - 1 and log["eval"]["accepted_length"] >= 1
+    config = json.loads((tmp_path / "stdlib-llama-dflash" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and "target_layer_ids" in config["dflash_config"]

@@ -35,7 +35,7 @@ from specpass.drafters.attention import Attention, attend, live, write_cache
 from specpass.drafters.base import CachedModel
 from specpass.drafters.config import ConfigBase, check_llama_block
 from specpass.drafters.layers import DecoderLayer, SwiGLU
-from specpass.drafters.rope import LLAMA3_KEYS, apply_rope, read_rope, rope
+from specpass.drafters.rope import apply_rope, read_rope, rope
 
 ARCHITECTURES = ("DFlashDraftModel",)
 OPTIONS = ("target_layer_ids", "mask_token_id", "block_size", "input_embedding_scale", "output_multiplier",
@@ -115,8 +115,6 @@ class DFlashConfig(ConfigBase):
              "rope_scaling": scaling}
         if theta is not None:
             d["rope_theta"] = theta
-        if scaling is not None and set(scaling) != set(LLAMA3_KEYS):
-            raise ValueError(f"rope_scaling holds the llama3 parameters {list(LLAMA3_KEYS)}, got {scaling}")
         return super().from_dict(d)
 
     @property
@@ -128,19 +126,26 @@ class DFlashConfig(ConfigBase):
 class DFlashAttention(Attention):
     """Qwen3's attention (q/k norms) whose keys and values are the context's and the block's."""
 
+    def context_kv(self, ctx: torch.Tensor, rope_ctx: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The context's keys and values, ctx [B, T, H] -> [B, T, n_kv, d] each: k_proj, k_norm and RoPE
+        on the keys, v_proj alone on the values (the context does not go through the layer's norm)."""
+        B, T, _ = ctx.shape
+        k = self.k_norm(self.k_proj(ctx).view(B, T, self.n_kv_heads, self.head_dim))
+        return apply_rope(k, *rope_ctx), self.v_proj(ctx).view(B, T, self.n_kv_heads, self.head_dim)
+
     def forward(self, x: torch.Tensor, rope_x: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                 slots: torch.Tensor, ctx: torch.Tensor, rope_ctx: tuple[torch.Tensor, torch.Tensor],
                 ctx_slots: torch.Tensor) -> torch.Tensor:
         """x [B, K+1, H] the block at `slots`, ctx [B, T, H] the context at `ctx_slots`, mask
         [B, 1, K+1, S] -> [B, K+1, H]. The context's K/V are written first: the block's overwrite the
         rejected rows' slots."""
-        B, T, _ = ctx.shape
-        k_ctx = self.k_norm(self.k_proj(ctx).view(B, T, self.n_kv_heads, self.head_dim))
-        write_cache(self.k_cache, ctx_slots, apply_rope(k_ctx, *rope_ctx))
-        write_cache(self.v_cache, ctx_slots, self.v_proj(ctx).view(B, T, self.n_kv_heads, self.head_dim))
+        k_ctx, v_ctx = self.context_kv(ctx, rope_ctx)
+        write_cache(self.k_cache, ctx_slots, k_ctx)
+        write_cache(self.v_cache, ctx_slots, v_ctx)
         q, k, v, _ = self.project(x, rope_x)
         write_cache(self.k_cache, slots, k)
         write_cache(self.v_cache, slots, v)
+        B = x.shape[0]
         out = attend(q, live(self.k_cache, B), live(self.v_cache, B), mask, self.head_dim**-0.5)
         return self.output(out, None)
 

@@ -96,8 +96,29 @@ def target_facts(target: nn.Module) -> tuple[nn.Embedding, int, int]:
         raise TypeError(f"target must be a transformers PreTrainedModel or the zoo's Llama (a module with "
                         f"get_input_embeddings() and config.hidden_size / config.vocab_size), got "
                         f"{type(target).__name__}")
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    text = text_config(target)
     return target.get_input_embeddings(), text.hidden_size, text.vocab_size
+
+
+def text_config(target: nn.Module) -> Any:
+    """The config of a target's language model (a multimodal transformers model's text part)."""
+    config = target.config
+    return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+
+
+def read_config(path: Path, raw: dict[str, Any], architectures: tuple[str, ...], cls: type, what: str,
+                otherwise: str):
+    """config.json (`raw`, read from `path`) as `cls`, once its architectures are among `architectures`;
+    a value the config refuses is named with the file. what: the draft's kind, in words; otherwise: what
+    to do when the file describes another architecture."""
+    found = raw.get("architectures")
+    if not (isinstance(found, list) and set(found) & set(architectures)):
+        raise CheckpointError(f"{path} describes architectures {found!r}, not {what} ({' or '.join(architectures)}): "
+                              f"{otherwise}")
+    try:
+        return cls.from_dict(raw)
+    except (TypeError, ValueError) as exc:  # a value the config refuses (CheckpointError included)
+        raise CheckpointError(f"{path}: {exc}; fix the file or use the draft's original config.json") from exc
 
 
 def is_dflash(raw: dict[str, Any]) -> bool:
@@ -110,23 +131,14 @@ def load_dflash(directory: Path, raw: dict[str, Any], target: nn.Module, device,
                 ) -> DFlashDraft:
     """A DFlash folder as a `ParallelDrafter` over `target`'s input embedding and lm_head."""
     embedding, target_hidden, target_vocab = target_facts(target)
-    path = directory / CONFIG_FILE
-    found = raw.get("architectures")
-    if not (isinstance(found, list) and set(found) & set(DFLASH_ARCHITECTURES)):
-        raise CheckpointError(f"{path} describes architectures {found!r}, not a DFlash draft "
-                              f"({' or '.join(DFLASH_ARCHITECTURES)}): DFlash2 and other variants are not modelled; "
-                              "use a DFlash checkpoint")
-    try:
-        config = DFlashConfig.from_dict(raw)
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: {exc}; fix the file or use the draft's original config.json") from exc
+    config = read_config(directory / CONFIG_FILE, raw, DFLASH_ARCHITECTURES, DFlashConfig, "a DFlash draft",
+                         "DFlash2 and other variants are not modelled; use a DFlash checkpoint")
     lm_head = target.get_output_embeddings() if callable(getattr(target, "get_output_embeddings", None)) else None
     lm_head = lm_head if lm_head is not None else getattr(target, "lm_head", None)
     if not isinstance(lm_head, nn.Module):
         raise TypeError(f"a DFlash draft scores its drafts with the target's lm_head, and this "
                         f"{type(target).__name__} has none (get_output_embeddings() or .lm_head)")
-    text = target.config.get_text_config() if callable(getattr(target.config, "get_text_config", None)) else target.config
-    layers = text.num_hidden_layers
+    layers = text_config(target).num_hidden_layers
     problems = []
     if config.hidden_size != target_hidden:
         problems.append(f"hidden_size {config.hidden_size} != the target's hidden_size {target_hidden} (the draft "
@@ -168,17 +180,9 @@ def load_dflash(directory: Path, raw: dict[str, Any], target: nn.Module, device,
 
 def read_head_config(directory: Path, raw: dict[str, Any]) -> Eagle3Config:
     """config.json as an `Eagle3Config` (a `ParallelEagle3Config` with `parallel_drafting`)."""
-    path = directory / CONFIG_FILE
-    found = raw.get("architectures")
-    if not (isinstance(found, list) and set(found) & set(ARCHITECTURES)):
-        raise CheckpointError(f"{path} describes architectures {found!r}, not a Llama EAGLE-3 head "
-                              f"({' or '.join(ARCHITECTURES)}): pass an EAGLE-3 head's folder (the target's own "
-                              "folder is loaded by transformers)")
     cls = ParallelEagle3Config if raw.get("parallel_drafting") else Eagle3Config
-    try:
-        return cls.from_dict(raw)
-    except (TypeError, ValueError) as exc:  # a value the config refuses (CheckpointError included)
-        raise CheckpointError(f"{path}: {exc}; fix the file or use the head's original config.json") from exc
+    return read_config(directory / CONFIG_FILE, raw, ARCHITECTURES, cls, "a Llama EAGLE-3 head",
+                       "pass an EAGLE-3 head's folder (the target's own folder is loaded by transformers)")
 
 
 def head_names(specs: dict[str, Any], layers: int) -> tuple[dict[str, str], list[str]]:

@@ -402,13 +402,13 @@ class Decoder:
                 on_timed(k, ms)
             return ms, measured
 
-        round_ms, why, per_depth = {}, {}, {}
+        round_ms, why, measured = {}, {}, {}
         for k in timed:
-            round_ms[k], per_depth[k] = time_k(k)
+            round_ms[k], measured[k] = time_k(k)
             why[k] = "given"
+        per_depth = {} if nests else dict(measured)  # the acceptance reported per K or tree: its own, measured
         if nests:
-            acceptance = list(per_depth[timed[-1]] if acceptance is None else acceptance)
-            per_depth = {}
+            acceptance = list(measured[timed[-1]] if acceptance is None else acceptance)
             candidates = acceptance[:next((k - 1 for k in range(1, len(acceptance) + 1) if not fits(k)), None)]
             while (k := next_k_to_time(round_ms, candidates)) is not None and len(why) < len(timed) + max_timings:
                 best = choose_k(round_ms, candidates)
@@ -418,8 +418,8 @@ class Decoder:
             rates = {k: expected_accept_length(acceptance[:k]) / ms for k, ms in price(round_ms, len(candidates)).items()}
             chosen = choose_k(round_ms, candidates)
         else:  # each K drafts its own tokens (a DFlash block): each timed K priced with its own acceptance
-            acceptance = per_depth[timed[-1]]
-            rates = {k: expected_accept_length(per_depth[k]) / round_ms[k] for k in timed}
+            acceptance = measured[timed[-1]]
+            rates = {k: expected_accept_length(measured[k]) / round_ms[k] for k in timed}
             chosen, verified = max(rates, key=rates.get), True
         for k in [0] * off + list(trees):
             round_ms[k], per_depth[k] = time_k(k)

@@ -125,7 +125,7 @@ class SavedStep:
                 compiled = self.compiler.aot_compile(((self.fn, *clones), {}))
         except Exception as exc:  # what torch.compile takes and torch's precompile does not
             warn(f"specpass cannot save the step {self.name} ({type(exc).__name__}: {exc}); compiling it with "
-                  "torch.compile, again in each process")
+                 "torch.compile, again in each process")
             self.unsaved = self.make_unsaved()
             return None
         if self.saving:
@@ -134,7 +134,7 @@ class SavedStep:
             except Exception as exc:  # a step that cannot be saved still runs
                 self.saving = False
                 warn(f"specpass could not save the step {self.name} ({type(exc).__name__}: {exc}); it compiles "
-                      "again in each process")
+                     "again in each process")
         return compiled
 
 
