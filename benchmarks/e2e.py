@@ -69,6 +69,7 @@ LOOPS = {"inductor-apart": ("inductor", False), "specpass-apart": ("specpass", F
          "specpass-fused": ("specpass", True)}
 SWEPT = ("eagle3/specpass-fused", "parallel/specpass-fused", "dflash/specpass-fused")  # the variants also run at each K of --k-sweep
 TUNED = "tuned"  # a variant's K: Decoder.tune_k chooses it
+START = time.perf_counter()
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -155,6 +156,9 @@ class Bench:
         for variant in variants:
             _, drafter, compile, fused, k, *greedy_drafts = variant
             start = time.perf_counter()
+            if decoders and start - START > self.args.stop_after:  # the first (the reference) always runs
+                print(f"    skipped {variant[0]} K={label(k)}: past --stop-after", file=sys.stderr)
+                continue
             if (variant, len(prompts), max_len) not in self.decoders:
                 target, drafter = copy.deepcopy((self.target, self.drafters[drafter] if drafter else None))
                 self.decoders[variant, len(prompts), max_len] = Decoder(
@@ -486,6 +490,9 @@ def main() -> None:
                              "(the long one also measures the acceptance)")
     parser.add_argument("--gpu-lock", type=Path,
                         help="a file: processes started side by side with it compile at once and take turns to time")
+    parser.add_argument("--stop-after", type=float, default=float("inf"),
+                        help="seconds: compile no further variant after this, time those compiled (a device "
+                             "command's time is capped, and rows are saved only once a batch size is timed)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, default=1,

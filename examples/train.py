@@ -66,6 +66,7 @@ from models.llama import Llama, LlamaConfig  # noqa: E402
 from models.peagle import ParallelEagle3Config, ParallelEagle3Head  # noqa: E402
 from models.text import BOS  # noqa: E402
 from models.text import HELD_OUT, VOCAB, corpus, make_prompts  # noqa: E402
+from specpass.drafters import load_drafter  # noqa: E402
 from specpass.drafters.dflash import DFlashConfig, DFlashDraft  # noqa: E402
 from specpass.drafters.rope import rope  # noqa: E402
 
@@ -534,7 +535,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="parallel: the head's layers (num_hidden_layers): the midlayer, then decoder layers")
     p.add_argument("--init-from", type=pathlib.Path,
                    help="parallel: start from this one-layer EAGLE-3 (chain) head folder of the same shape: its "
-                        "midlayer is layer 0; mask_hidden is new, layers after the first start as identities")
+                        "midlayer is layer 0; mask_hidden is new, layers after the first start as identities. "
+                        "dflash: go on training this DFlash folder (--layers must be its layers)")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto", help="auto: on for CUDA")
     p.add_argument("--eval-windows", type=int, default=1024)
     p.add_argument("--prompts", type=int, default=32)
@@ -705,6 +707,8 @@ def train_dflash(args, cfg: DFlashConfig, target_dir, out_dir, train_tokens, hel
     own = [draft.fc, draft.hidden_norm, draft.layers, draft.norm]  # not the target's embedding and lm_head
     for module in own:
         init_weights(module)
+    if args.init_from is not None:  # every tensor of the draft's own, or load_state_dict names what differs
+        draft.load_state_dict(load_drafter(args.init_from, target).state_dict())
     k = cfg.block_size - 1
     weight = torch.exp(-torch.arange(k, device=device) / DFLASH_DECAY)
     weight = weight / weight.sum()  # [K]

@@ -55,8 +55,10 @@ class ParallelZooDrafter(ZooDrafter, drafters.ParallelDraftAdapter):
     """A parallel-drafting head as a `specpass.ParallelDrafter`: K drafts per forward."""
 
 
-def adapt(model: nn.Module) -> ZooDrafter:
-    """The adapter a zoo draft model needs."""
+def adapt(model: nn.Module) -> ZooDrafter | drafters.DFlashDraft:
+    """The adapter a zoo draft model needs (a DFlash draft is the library's drafter itself: none)."""
+    if isinstance(model, drafters.DFlashDraft):
+        return model
     return ParallelZooDrafter(model) if isinstance(model, drafters.ParallelEagle3Head) else ZooDrafter(model)
 
 

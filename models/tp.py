@@ -9,8 +9,8 @@ RowwiseParallel), Megatron-style, run on local shards with functional collective
 column-parallel (its heads: the contiguous query heads a rank keeps read the K/V heads it keeps;
 a single K/V head stays whole on every rank) and o_proj row-parallel (all-reduced); every
 `SwiGLU`'s gate/up_proj column-parallel, down_proj row-parallel; the lm_head column-parallel
-over the vocabulary with its logits gathered (Replicate). Embeddings, norms and EAGLE-3's fc stay
-whole. Every rank must get the same inputs (SPMD), and gets the same outputs.
+over the vocabulary with its logits gathered (Replicate). Embeddings, norms and EAGLE-3's and
+DFlash's fc stay whole; a DFlash draft's embedding and lm_head are its target's (`target=`). Every rank must get the same inputs (SPMD), and gets the same outputs.
 
 `specpass.tensor_parallel.parallelize` applies the plan with `parallelize_module` (torch cuts the
 weights: `distribute_tensor`) and keeps each shard as a plain tensor, the styles' DTensor hooks
@@ -27,15 +27,19 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from specpass.drafters import DFlashDraft
 from specpass.drafters.attention import Attention
 from specpass.drafters.layers import SwiGLU
 from specpass.tensor_parallel import parallelize
 
 
-def tensor_parallel(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+def tensor_parallel(model: nn.Module, group: dist.ProcessGroup, target: nn.Module | None = None) -> nn.Module:
     """A copy of `model` holding this rank's shard of every Attention, SwiGLU and the lm_head
-    (`zoo_plan`), on plain tensors (`parallelize`)."""
-    tp = copy.deepcopy(model)
+    (`zoo_plan`), on plain tensors (`parallelize`). target: a DFlash draft's, already sharded: the
+    copy holds its input embedding and lm_head in place of the ones `model` holds."""
+    held = {} if target is None else {id(model.embed_tokens): target.get_input_embeddings(),
+                                      id(model.lm_head): target.lm_head}
+    tp = copy.deepcopy(model, held)
     world = dist.get_world_size(group)
     plan = zoo_plan(tp, world)
     for module in tp.modules():
@@ -62,8 +66,9 @@ def zoo_plan(model: nn.Module, world: int) -> dict[str, ParallelStyle]:
             _check_split(name, "intermediate size", module.gate_proj.out_features, world)
             plan.update({f"{name}.gate_proj": ColwiseParallel(), f"{name}.up_proj": ColwiseParallel(),
                          f"{name}.down_proj": RowwiseParallel()})
-    _check_split("lm_head", "vocabulary", model.lm_head.out_features, world)
-    plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())  # the logits gathered on every rank
+    if not isinstance(model, DFlashDraft):  # whose lm_head is its target's, sharded with the target
+        _check_split("lm_head", "vocabulary", model.lm_head.out_features, world)
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())  # the logits gathered on every rank
     return plan
 
 

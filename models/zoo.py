@@ -2,6 +2,7 @@
 
     model = build("tiny-llama-eagle3")                                   # random, seed 0, CPU fp32
     model = build("llama3-8b-eagle3", device="cuda", dtype=torch.bfloat16)  # allocated on the GPU only
+    draft = build("llama3-8b-dflash", target=target)                   # a DFlash draft over target's embedding and lm_head
     make_checkpoint("tiny-llama", "ckpt/")                               # config.json + model.safetensors
 
 Configs are data: nothing is allocated until `build`, which constructs on the meta device and
@@ -22,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from models.checkpoint import checkpoint_tensors, retie, save
+from specpass.drafters import DFlashConfig, DFlashDraft
 from models.eagle3 import Eagle3Config, Eagle3Head
 from models.llama import Llama, LlamaConfig
 from models.nextn import NextN, NextNConfig
@@ -51,6 +53,10 @@ CONFIGS: dict[str, tuple[type[nn.Module], object]] = {
     "tiny-llama-peagle3": (ParallelEagle3Head, ParallelEagle3Config(
         vocab_size=256, draft_vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, rope_theta=10000.0, mask_token_id=255)),
+    "tiny-llama-dflash": (DFlashDraft, DFlashConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rope_theta=10000.0, target_layer_ids=[1, 4, 6], mask_token_id=255,
+        block_size=8)),
     "tiny-deepseek-eagle3-mla": (Eagle3Head, Eagle3Config(
         vocab_size=256, draft_vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         attention="mla", rope_theta=10000.0, **_TINY_MLA)),
@@ -83,6 +89,11 @@ CONFIGS: dict[str, tuple[type[nn.Module], object]] = {
     "llama3-8b-peagle3": (ParallelEagle3Head, ParallelEagle3Config(
         vocab_size=128256, draft_vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, mask_token_id=128002)),
+    # z-lab's Qwen3-8B-DFlash-b16 layers (5, intermediate 12288), its target layers spread over 32 as over 36
+    "llama3-8b-dflash": (DFlashDraft, DFlashConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=12288, num_hidden_layers=5, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, target_layer_ids=[1, 8, 15, 22, 29], mask_token_id=128002,
+        block_size=16)),
     "deepseek-v3-eagle3-mla": (Eagle3Head, Eagle3Config(
         vocab_size=129280, draft_vocab_size=32000, hidden_size=7168, intermediate_size=18432, attention="mla",
         **_DSV3_MLA)),
@@ -109,20 +120,24 @@ def config(name: str):
 
 
 def build(name_or_config, seed: int = 0, device=None, dtype: torch.dtype | None = None,
-          shard: Callable[[nn.Module], nn.Module] | None = None) -> nn.Module:
+          shard: Callable[[nn.Module], nn.Module] | None = None, target: nn.Module | None = None) -> nn.Module:
     """A model with deterministic random weights: a zoo name, or a config of a zoo model class.
 
     shard: applied to the model while it is on the meta device, before any weight is allocated
     (`lambda m: models.tp.tensor_parallel(m, group)`: a 70B target's shard, never the whole model).
-    Every rank then draws the same weights for its shard's shapes: replicated weights agree."""
+    Every rank then draws the same weights for its shard's shapes: replicated weights agree.
+    target: a DFlash draft's (it holds the target's input embedding and lm_head, by reference)."""
     if isinstance(name_or_config, str):
         cls, cfg = CONFIGS[name_or_config][0], config(name_or_config)
     else:
         cfg = name_or_config
         cls = {LlamaConfig: Llama, Eagle3Config: Eagle3Head, ParallelEagle3Config: ParallelEagle3Head,
-               NextNConfig: NextN}[type(cfg)]
+               NextNConfig: NextN, DFlashConfig: DFlashDraft}[type(cfg)]
+    if (cls is DFlashDraft) != (target is not None):
+        raise ValueError("target= is a DFlash draft's (whose embedding and lm_head are its target's), and it needs one")
     with torch.device("meta"):
-        model = cls(cfg)
+        # the target's modules are set once this model's own weights are materialised (to_empty would wipe them)
+        model = cls(cfg, nn.Identity(), nn.Identity()) if target is not None else cls(cfg)
     if shard is not None:
         model = shard(model)
     _, aliases = checkpoint_tensors(model)  # tied weights, which to_empty unties
@@ -131,6 +146,8 @@ def build(name_or_config, seed: int = 0, device=None, dtype: torch.dtype | None 
     model = model.to_empty(device=device or "cpu")
     retie(model, aliases)
     init_weights(model, seed)
+    if target is not None:
+        model.embed_tokens, model.lm_head = target.get_input_embeddings(), target.lm_head
     return model.eval()
 
 

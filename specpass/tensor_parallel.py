@@ -2,6 +2,7 @@
 
     parallelize(model, group, {"layers.0.attn.q_proj": ColwiseParallel(), ...})   # torch's plan, in place
     shards, group = localize(hf_model)      # transformers' tp_plan="auto": a copy on its local shards
+    drafter = follow(drafter, hf_model, shards)   # a drafter holding hf_model's modules: the copy's instead
 
 specpass's IR is traced with `make_fx(pre_dispatch=True)`, which cannot run compute on a DTensor
 ("RuntimeError: Unable to cast NotImplemented to Tensor" at the first `linear` on a DTensor
@@ -103,6 +104,17 @@ def localize(model: nn.Module, plan: Mapping[str, str] | None = None) -> tuple[n
         else:  # an embedding or other module: the whole weight, gathered once
             module.weight = nn.Parameter(weight.full_tensor(), requires_grad=False)
     return local, group
+
+
+def follow(module: nn.Module, model: nn.Module, local: nn.Module) -> nn.Module:
+    """`module` (a drafter holding some of `model`'s submodules by reference: a DFlash draft's
+    embedding and lm_head) -> a copy holding the submodules of `model`'s copy `local` of the same
+    names instead; its own tensors shared, not copied. A module holding none of them: itself."""
+    memo: dict[int, object] = {id(m): local.get_submodule(name) for name, m in model.named_modules()}
+    if not any(id(m) in memo for m in module.modules()):
+        return module
+    memo.update({id(t): t for t in [*module.parameters(), *module.buffers()]})  # the held modules' never reached
+    return copy.deepcopy(module, memo)
 
 
 def gather_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -34,14 +34,15 @@ def make_target(kind: str = "qwen3", dtype=torch.float32, seed: int = 0) -> torc
 
 
 def dflash_folder(path: Path, seed: int = 1, layers: int = 2, extra_tensors: dict | None = None, prefix: str = "",
-                  **changes) -> Path:
-    """A DFlash folder as z-lab writes one: config.json (options under dflash_config) and
-    model.safetensors (names with no prefix), random weights scaled to draft something."""
-    options = dict(target_layer_ids=[0, 2, 3], mask_token_id=V - 1)
-    config = DFlashConfig(**{k: v for k, v in SIZES.items() if k != "num_hidden_layers"}, num_hidden_layers=layers,
-                          block_size=8, rope_theta=10000.0, **options)
+                  sizes: dict = SIZES, reads: tuple[int, ...] = (0, 2, 3), **changes) -> Path:
+    """A DFlash folder as z-lab writes one for a target of `sizes`: config.json (options under
+    dflash_config) and model.safetensors (names with no prefix), random weights scaled to draft something;
+    `reads` its target_layer_ids, `changes` written over the config's fields as they are."""
+    v, h = sizes["vocab_size"], sizes["hidden_size"]
+    config = DFlashConfig(**{k: v for k, v in sizes.items() if k != "num_hidden_layers"}, num_hidden_layers=layers,
+                          block_size=8, rope_theta=10000.0, target_layer_ids=list(reads), mask_token_id=v - 1)
     torch.manual_seed(seed)
-    draft = DFlashDraft(config, torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False))
+    draft = DFlashDraft(config, torch.nn.Embedding(v, h), torch.nn.Linear(h, v, bias=False))
     state = {name: t for name, t in draft.state_dict().items() if not name.startswith(("embed_tokens.", "lm_head."))}
     raw = config.to_dict()
     for key, value in changes.items():
@@ -255,3 +256,34 @@ where_scalar_other: i64[9, 1] = where.ScalarOther(lt_scalar, argmax_default, 0)
 squeeze_dims: i64[9] = squeeze.dims(where_scalar_other, [1])
 view_4: i64[3, 3] = view(squeeze_dims, [3, 3])
 return (view_4,)""")
+
+
+# --- the choice among drafters
+
+
+def test_choose_drafter_takes_the_drafter_whose_choice_decodes_most():
+    """tune_k on a chain head's Decoder and a block draft's (the same prompts and batch size), the
+    drafter whose chosen K makes the most tokens per ms taken, each decoder left at its choice."""
+    from models import zoo
+    from models.drafters import ZooDrafter
+    from specpass.loop import choose_drafter
+
+    targets = [zoo.build("tiny-llama") for _ in range(2)]  # a target per Decoder: each sets up its caches
+    drafters = {"eagle": ZooDrafter(zoo.build("tiny-llama-eagle3", seed=3)),
+                "block": zoo.build("tiny-llama-dflash", seed=4, target=targets[1])}
+    decoders = {name: Decoder(target, drafter, k=2, max_batch=3, max_len=64, compile="eager")
+                for target, (name, drafter) in zip(targets, drafters.items())}
+    options = dict(ks=(2, 4), new_tokens=(4, 12), repeats=1, off=True)
+    name, choices = choose_drafter(decoders, PROMPTS, {"eagle": options, "block": options})
+    rate = {n: c.tokens_per_ms[c.k] for n, c in choices.items()}
+    assert set(rate) == {"eagle", "block"} and rate[name] == max(rate.values())
+    assert all(decoders[n].k == c.k for n, c in choices.items())
+    plain = Decoder(targets[0], None, max_batch=3, max_len=64, compile="eager").generate(PROMPTS, 12).tokens
+    assert decoders[name].generate(PROMPTS, 12).tokens == plain
+    with pytest.raises(ValueError, match="needs at least one Decoder"):
+        choose_drafter({}, PROMPTS)
+    with pytest.raises(ValueError, match=r"options for \['tree'\], which are not among the decoders"):
+        choose_drafter(decoders, PROMPTS, {"tree": options})
+    decoders["block"].reserve(5)
+    with pytest.raises(ValueError, match=r"the decoders' max_batch differ \(\[3, 5\]\)"):
+        choose_drafter(decoders, PROMPTS)

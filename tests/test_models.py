@@ -213,3 +213,13 @@ def test_target_decode_matches_prefill_and_stale_slots_are_hidden():
             out = model(take(tokens, chunk), chunk)
             close(out, take(full, chunk))
             pos += torch.tensor([3, 2, 1])
+
+
+def test_a_zoo_dflash_draft_holds_its_target_s_embedding_and_lm_head():
+    target = zoo.build("tiny-llama")
+    draft = zoo.build("tiny-llama-dflash", seed=4, target=target)
+    assert draft.embed_tokens is target.get_input_embeddings() and draft.lm_head is target.lm_head
+    assert torch.equal(zoo.build("tiny-llama-dflash", seed=4, target=target).fc.weight, draft.fc.weight)
+    for name, target_ in (("tiny-llama-dflash", None), ("tiny-llama-eagle3", target)):
+        with pytest.raises(ValueError, match="target= is a DFlash draft's"):
+            zoo.build(name, target=target_)

@@ -7,9 +7,10 @@ sizes: sum (a - b)^2 / (a + b) over cells, cells with a + b < 10 pooled into one
 Tiny random models, vocabulary 16, fixed seeds: each test is deterministic. α = 0.01 for the
 family of equality tests, Bonferroni-corrected: ALPHA = 0.01 / len(CASES) per test.
 
-Power: the same tests must reject three wrong samplers (each a one-line change of the loop):
-accepting a draft whenever p >= q, drawing the residual from p instead of max(0, p - q), and
-drafting from the top-k/top-p cut q while judging with the uncut q (the cut applied to p only).
+Power: the same tests must reject three wrong samplers (each a one-line change of the loop), on a
+chain case and on the block (DFlash) case: accepting a draft whenever p >= q, drawing the residual
+from p instead of max(0, p - q), and drafting from the top-k/top-p cut q while judging with the
+uncut q (the cut applied to p only).
 `--long` multiplies N by 5.
 
 The accept/residual step alone is tested on hand-set p and q (goodness of fit against p), and
@@ -179,11 +180,13 @@ def _propose_judged_with_uncut_q(drafter, sampled, logits, params, pos):
 
 
 _PROPOSE = steps.propose
-WRONG = {
-    "accept-when-p>=q": ("accepts", _accepts_when_p_at_least_q, "eagle-t1"),
-    "residual-from-p": ("residual", _residual_from_p, "eagle-t1"),
-    "cut-applied-to-p-only": ("propose", _propose_judged_with_uncut_q, "eagle-t0.6-topk"),
-}
+WRONG = {  # each on a chain case and on the block case
+    f"{wrong}/{case}": (name, replacement, case)
+    for wrong, name, replacement, chain_case in (
+        ("accept-when-p>=q", "accepts", _accepts_when_p_at_least_q, "eagle-t1"),
+        ("residual-from-p", "residual", _residual_from_p, "eagle-t1"),
+        ("cut-applied-to-p-only", "propose", _propose_judged_with_uncut_q, "eagle-t0.6-topk"))
+    for case in (chain_case, "dflash-t0.8-topk")}
 
 
 @pytest.mark.parametrize("wrong", list(WRONG))

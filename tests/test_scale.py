@@ -54,3 +54,22 @@ def test_the_parallel_catch_up_writes_2k_rows_and_runs_k_live_rows():
     for k in (3, 6):
         got = floors(target, head, BS, k, CONTEXT, FLOPS_ONLY)
         assert got["draft"] == 0 and got["catch_up"] == pytest.approx(BS * (2 * k * every_row + k * live))
+
+
+def test_the_block_round_is_the_verify_and_one_block_forward():
+    """A DFlash round: no draft steps and no separate catch-up; its one block forward runs fc and every
+    layer's K/V on the K+1 context rows, every layer on the K+1 block rows, the target's lm_head on
+    the K drafts."""
+    target = meta("tiny-llama")
+    with torch.device("meta"):
+        draft = zoo.CONFIGS["tiny-llama-dflash"][0](zoo.config("tiny-llama-dflash"), target.model.embed_tokens,
+                                                    target.lm_head)
+    c = draft.config
+    q, kv, n = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_hidden_layers
+    layer = 2 * c.hidden_size * (2 * q + 2 * kv) + 2 * 3 * c.hidden_size * c.intermediate_size + 4 * CONTEXT * q
+    for k in (3, 7):
+        got = floors(target, draft, BS, k, CONTEXT, FLOPS_ONLY)
+        context = 2 * len(c.target_layer_ids) * c.hidden_size ** 2 + n * 2 * c.hidden_size * 2 * kv
+        want = BS * ((k + 1) * (context + n * layer) + k * 2 * c.hidden_size * c.vocab_size)
+        assert got["draft"] == 0 and got["catch_up"] == pytest.approx(want)
+        assert got["round"] == pytest.approx(got["verify"] + want)

@@ -49,7 +49,8 @@ slice_tensor_1: i64[8, 4] = slice.Tensor(getitem_4, 1, 0, 4)
 sub_tensor_1: f32[8, 4] = sub.Tensor(slice_tensor, amax_default)
 log_default: f32[8, 1] = log(sum_dim_int_list)
 sub_tensor_2: f32[8, 4] = sub.Tensor(sub_tensor_1, log_default)
-return (sub_tensor_2, slice_tensor_1)""")
+clone_default: i64[8, 4] = clone(slice_tensor_1, memory_format=torch.contiguous_format)
+return (sub_tensor_2, clone_default)""")
         self.assertExpectedInline(verdicts(result), """[topk_sort] rewrote topk_default: topk(4) of rows of 258 runs as a stable sort and a slice (one Triton kernel under Inductor instead of ATen's select and sort)""")
         assert [f.fired for f in result.report.of("argmax")] == [True]
 
@@ -71,7 +72,9 @@ getitem_6: f32[3, 16] = getitem(sort_stable_1, 0)
 slice_tensor_2: f32[2, 16] = slice.Tensor(getitem_6, 0, 0, 2)
 getitem_7: i64[3, 16] = getitem(sort_stable_1, 1)
 slice_tensor_3: i64[2, 16] = slice.Tensor(getitem_7, 0, 0, 2)
-return ((slice_tensor, slice_tensor_1), (slice_tensor_2, slice_tensor_3))""")
+clone_default: f32[3, 4] = clone(slice_tensor, memory_format=torch.contiguous_format)
+clone_default_1: i64[3, 4] = clone(slice_tensor_1, memory_format=torch.contiguous_format)
+return ((clone_default, clone_default_1), (slice_tensor_2, slice_tensor_3))""")
         assert [f.fired for f in result.report.of("topk_sort")] == [True, True]
 
 
@@ -89,6 +92,7 @@ def test_rewritten_graph_equals_topk():
     for got, want in zip(result.graph_module(x), fn(x)):
         torch.testing.assert_close(got[0], want.values, rtol=0, atol=0)
         assert torch.equal(got[1], want.indices)
+        assert [t.stride() for t in got] == [t.stride() for t in want]  # topk's layout: a next step compiled for it
     ties = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, float("nan")]]).expand(6, 6).contiguous()
     values, indices = traced(lambda x: x.topk(3, -1), (6, 6), dtype=torch.float32).graph_module(ties)
     assert indices.tolist() == [[5, 1, 2]] * 6  # NaN the largest, as topk; then equal values by index

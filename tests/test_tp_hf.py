@@ -1,7 +1,7 @@
 """specpass.generate on a transformers model loaded tensor-parallel (`from_pretrained(...,
 tp_plan="auto")`, transformers' own plan, DTensor weights) over two gloo processes: the tokens of
-transformers' single-process greedy generate, plain and with a replicated standalone draft, at bs 1
-and on a left-padded ragged batch; sampled with a seed, the single-process specpass tokens; compiled
+transformers' single-process greedy generate, plain, with a replicated standalone draft and with a
+DFlash draft over the sharded model's embedding and lm_head, at bs 1 and on a left-padded ragged batch; sampled with a seed, the single-process specpass tokens; compiled
 through specpass with its rewrites (the passes see the local shards: `specpass.tensor_parallel.
 localize`); the user's model left as it was. A style localize does not know is refused."""
 
@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import specpass
 from specpass.tensor_parallel import localize
+from tests.test_dflash import dflash_folder
 from tests.test_tp_loop import gloo_rank, run_ranks, save_rank
 
 PROMPTS = [[11, 40, 3, 5], [6, 5], [35, 8, 9], [7, 7, 8]]  # ragged; the first decodes 10 tokens without an EOS
@@ -21,14 +22,18 @@ NEW = 10
 SAMPLED = dict(do_sample=True, temperature=0.8, top_p=0.9, seed=5)
 
 
+SIZES = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
 def save_pair(path):
-    """A tiny Llama target (4 query, 2 K/V heads; 64 tokens) and a 1-layer draft of its vocabulary."""
+    """A tiny Llama target (4 query, 2 K/V heads; 64 tokens), a 1-layer draft of its vocabulary and a
+    DFlash draft over it."""
     for name, layers, seed in (("target", 2, 0), ("draft", 1, 1)):
         torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        config = LlamaConfig(**SIZES, num_hidden_layers=layers, max_position_embeddings=128,
                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
         LlamaForCausalLM(config).save_pretrained(path / name)
+    dflash_folder(path / "dflash", layers=1, sizes={**SIZES, "head_dim": 8}, reads=(0, 1))
 
 
 def batch(prompts):
@@ -59,6 +64,7 @@ def _worker(rank, path):
         sharded = type(model.model.layers[0].self_attn.q_proj.weight).__name__
         # the passes on the local shards, the rewritten graphs run eagerly (Inductor at TP: benchmarks/hf_tp.py)
         specpass_tokens, rewrites = ours(model, PROMPTS, compile=specpass.backend(handoff="eager"), assistant_model=draft)
+        block = specpass.load_drafter(f"{path}/dflash", model)  # over the DTensor embedding and lm_head
         got = {
             "sharded": sharded,
             "plain bs 1": ours(model, PROMPTS[:1])[0],
@@ -66,6 +72,7 @@ def _worker(rank, path):
             "draft ragged": ours(model, PROMPTS, assistant_model=draft)[0],
             "sampled ragged": ours(model, PROMPTS, assistant_model=draft, **SAMPLED)[0],
             "specpass draft ragged": specpass_tokens,
+            "block ragged": ours(model, PROMPTS, assistant_model=block, num_assistant_tokens=3)[0],
             "rewrites": sorted({line.split("]")[0][1:] for lines in rewrites.values() for line in lines}),
             "still sharded": type(model.model.layers[0].self_attn.q_proj.weight).__name__,
         }
@@ -106,7 +113,7 @@ def test_the_model_is_loaded_sharded(ranks):
 
 @pytest.mark.parametrize("case, want", [("plain bs 1", "greedy bs 1"), ("plain ragged", "greedy ragged"),
                                         ("draft ragged", "greedy ragged"), ("sampled ragged", "sampled ragged"),
-                                        ("specpass draft ragged", "greedy ragged")])
+                                        ("specpass draft ragged", "greedy ragged"), ("block ragged", "greedy ragged")])
 def test_every_rank_emits_the_single_process_tokens(ranks, one_process, case, want):
     assert ranks[0][case] == ranks[1][case] == one_process[want]
     assert max(sum(t != 0 for t in row) for row in one_process[want]) > NEW // 2  # not stopped at once

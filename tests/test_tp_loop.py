@@ -1,7 +1,8 @@
 """The loop at tensor parallel 2: two gloo processes run the same `Decoder` on their shards of the
 tiny Llama target and its EAGLE-3 head (models/tp.py, torch's plan) and emit the tokens one process
 emits with the whole models: greedy at bs 1 and on a ragged batch, sampled with a seed, and compiled
-through specpass (the fused round). The ranks' checks (specpass/loop/distributed.py): different
+through specpass (the fused round); a DFlash draft's block rounds (its layers sharded, over the
+sharded target's embedding and lm_head) likewise. The ranks' checks (specpass/loop/distributed.py): different
 prompts or settings, a drafter whose logits are its rank's vocabulary shard, ranks that diverge
 mid-run, each a clear error on every rank. A group of one decodes as one process. The plan's
 refusals run in this process (no group needed)."""
@@ -17,7 +18,7 @@ import torch.multiprocessing as mp
 
 import specpass
 from models import zoo
-from models.drafters import ZooDrafter
+from models.drafters import ZooDrafter, adapt
 from models.tp import tensor_parallel, zoo_plan
 from specpass.loop import Decoder, cache_slots
 
@@ -31,10 +32,14 @@ def models():
     return zoo.build("tiny-llama", seed=0), zoo.build("tiny-llama-eagle3", seed=3)
 
 
+def block_draft(target):
+    return zoo.build("tiny-llama-dflash", seed=4, target=target)
+
+
 def decode(target, head, prompts, group=None, **kw):
     options = {"compile": "eager", **{k: kw.pop(k) for k in ("compile", "fused_round", "check_ranks", "compile_prefill")
                                       if k in kw}}
-    dec = Decoder(target, ZooDrafter(head) if head is not None else None, k=K if head is not None else 0,
+    dec = Decoder(target, adapt(head) if head is not None else None, k=K if head is not None else 0,
                   max_batch=len(prompts), max_len=MAX_LEN, group=group, **options)
     return dec.generate(prompts, NEW, **kw).tokens
 
@@ -96,6 +101,12 @@ def _worker(rank, path):
             "group of one": decode(tensor_parallel(target, alone), tensor_parallel(head, alone), PROMPTS, alone,
                                    check_ranks=True),
         }
+        tp_block = tensor_parallel(block_draft(target), group, target=tp_target)
+        got["block greedy ragged"] = decode(tp_target, tp_block, PROMPTS, group, eos_id=7, check_ranks=True)
+        got["block sampled ragged"] = decode(tp_target, tp_block, PROMPTS, group, **SAMPLED)
+        got["block fused"] = decode(tp_target, tp_block, PROMPTS, group, compile=specpass.backend(handoff="eager"),
+                                    fused_round=True, compile_prefill=False, check_ranks=True)
+        got["block sharded"] = [tp_block.layers[0].self_attn.q_proj.out_features, tp_block.lm_head is tp_target.lm_head]
         # Errors, on every rank
         other = PROMPTS if rank == 0 else [PROMPTS[0], PROMPTS[1], [47]]
         got["other prompts"] = error_of(lambda: decode(tp_target, tp_head, other, group))
@@ -123,8 +134,11 @@ def one_process():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny models run faster on one thread of a shared machine
     target, head = models()
+    block = block_draft(target)
     yield {"greedy bs 1": decode(target, head, PROMPTS[1:2]), "greedy ragged": decode(target, head, PROMPTS, eos_id=7),
-            "sampled ragged": decode(target, head, PROMPTS, **SAMPLED), "ragged": decode(target, head, PROMPTS)}
+           "sampled ragged": decode(target, head, PROMPTS, **SAMPLED), "ragged": decode(target, head, PROMPTS),
+           "block greedy ragged": decode(target, block, PROMPTS, eos_id=7),
+           "block sampled ragged": decode(target, block, PROMPTS, **SAMPLED)}
     torch.set_num_threads(threads)
 
 
@@ -136,6 +150,17 @@ def test_every_rank_emits_the_single_process_tokens(ranks, one_process, case):
 
 def test_compiled_through_specpass_fused_round(ranks, one_process):
     assert ranks[0]["specpass fused"] == ranks[1]["specpass fused"] == one_process["ragged"]
+
+
+@pytest.mark.parametrize("case", ["block greedy ragged", "block sampled ragged"])
+def test_block_rounds_emit_the_single_process_tokens(ranks, one_process, case):
+    assert ranks[0][case] == ranks[1][case] == one_process[case]
+    assert one_process["block greedy ragged"] == one_process["greedy ragged"]  # lossless: the chain's tokens
+
+
+def test_block_draft_sharded_over_the_sharded_target(ranks, one_process):
+    assert ranks[0]["block fused"] == ranks[1]["block fused"] == one_process["ragged"]
+    assert ranks[0]["block sharded"] == ranks[1]["block sharded"] == [32, True]  # 2 of 4 query heads of 16
 
 
 def test_a_group_of_one_decodes_as_one_process(ranks, one_process):

@@ -279,3 +279,8 @@ def test_dflash_draft_learns_every_position(tmp_path):
     assert len(log["eval"]["agreement"]) == train.TINY["dflash"].block_size - 1 and log["eval"]["accepted_length"] >= 1
     config = json.loads((tmp_path / "stdlib-llama-dflash" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and "target_layer_ids" in config["dflash_config"]
+    # --init-from goes on from that folder: its first step's loss is the trained one's, not a new draft's
+    again = train.main([*SMOKE, "--dflash", "--target", str(tmp_path / "stdlib-llama"), "--blocks", "8",
+                        "--drafts-steps", "1", "--init-from", str(tmp_path / "stdlib-llama-dflash"),
+                        "--out", str(tmp_path / "again")])
+    assert again["dflash"]["loss_first"][0] < (first[0] + final[0]) / 2, (first[0], final[0], again["dflash"])

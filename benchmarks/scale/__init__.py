@@ -10,6 +10,7 @@ projected speedup uses the shipped pair's measured acceptance per draft position
     python -m benchmarks.scale --plot docs/scale.json              # docs/scale.png and the tables (CPU)
     python -m benchmarks.scale --quick --device cpu                # a smoke test: tiny models
     python -m benchmarks.scale --drafter parallel --head-layers 2 --variants specpass  # P-EAGLE, as shipped
+    python -m benchmarks.scale --drafter block --k 15 --points 1x64 --trees "4,7,32" --variants decode,specpass
 
 Per point (batch size x prompt length), each variant is built, compiled, timed and dropped in turn
 (they share the weights; each sets up its own caches):

@@ -32,7 +32,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--points", default="1x64,16x64,64x64,16x4096", type=points, help="BSxPROMPT,...")
     parser.add_argument("--drafter", default="eagle3", choices=sorted(HEADS),
-                        help="eagle3: the chain head; parallel: the P-EAGLE head, one draft forward a round")
+                        help="eagle3: the chain head; parallel: the P-EAGLE head, one draft forward a round; block: a "
+                             "DFlash draft of z-lab's Qwen3-8B-DFlash-b16 size (5 layers), one block forward a round "
+                             "(tree rounds: the EAGLE-3 head)")
     parser.add_argument("--head-layers", type=int, help="the head's decoder layers (default: the zoo's, one)")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--k-sweep", default="", type=ints)

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from benchmarks import harness
+from specpass.drafters import DFlashDraft
 
 
 def ceilings(device: torch.device) -> dict[str, float]:
@@ -44,14 +45,6 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict, gemm=None) -
     item = next(target.parameters()).element_size()
     t_lin = [m for m in target.modules() if isinstance(m, nn.Linear)]
     t_attn = [layer.self_attn for layer in target.model.layers]
-    h_layers = head.decoder_layers
-    last = h_layers[-1].self_attn
-    h_all = [m for m in head.modules() if isinstance(m, nn.Linear) and m is not head.fc]
-    # catch-up: fc, every layer but the last, and the last one's K/V on every row (later layers and the
-    # K/V write read them); the rest on the live rows
-    h_rows_all = [head.fc, last.k_proj, last.v_proj,
-                  *(m for layer in h_layers[:-1] for m in layer.modules() if isinstance(m, nn.Linear))]
-    h_live = [m for m in h_all if m not in h_rows_all]
 
     def lin(linears, rows):  # (bytes, FLOPs, measured ms)
         return (*linear_cost(linears, rows), 0.0) if gemm is None else (0.0, 0.0, gemm(linears, rows))
@@ -63,15 +56,38 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict, gemm=None) -
         nbytes, flops, measured = map(sum, zip(*costs))
         return 1e3 * max(0.0 if flops_only else nbytes / ceil["bandwidth"], flops / ceil["flops"]) + measured
 
-    def head_att(rows, live):  # every layer but the last on every row's queries, the last on the live rows
-        return [att(layer.self_attn, bs, rows, context, item) for layer in h_layers[:-1]] + [
-            att(last, bs, live, context, item)]
-
     def target_step(rows_per_request):
         return ms(lin(t_lin, bs * rows_per_request),
                   *(att(a, bs, rows_per_request, context, item) for a in t_attn))
 
     out = dict(decode=target_step(1))
+    if isinstance(head, DFlashDraft):
+        # the verify, then one block forward (the loop's catch-up step): the K+1 verified rows' context (fc, each layer's K/V
+        # projections: GEMMs of their own, as the model runs them), the block's K+1 rows through
+        # every layer attending over the context, the target's lm_head on the K drafts
+        if not k:
+            return out
+        attn = [layer.self_attn for layer in head.layers]
+        context_lin = [head.fc, *(m for a in attn for m in (a.k_proj, a.v_proj))]
+        block_lin = [m for layer in head.layers for m in layer.modules() if isinstance(m, nn.Linear)]
+        out.update(draft=0.0, verify=target_step(k + 1), accept=0.0,
+                   catch_up=ms(lin(context_lin, bs * (k + 1)), lin(block_lin, bs * (k + 1)), lin([head.lm_head], bs * k),
+                               *(att(a, bs, k + 1, context, item) for a in attn)))
+        out["round"] = out["verify"] + out["catch_up"]
+        return out
+    h_layers = head.decoder_layers
+    last = h_layers[-1].self_attn
+    h_all = [m for m in head.modules() if isinstance(m, nn.Linear) and m is not head.fc]
+    # catch-up: fc, every layer but the last, and the last one's K/V on every row (later layers and the
+    # K/V write read them); the rest on the live rows
+    h_rows_all = [head.fc, last.k_proj, last.v_proj,
+                  *(m for layer in h_layers[:-1] for m in layer.modules() if isinstance(m, nn.Linear))]
+    h_live = [m for m in h_all if m not in h_rows_all]
+
+    def head_att(rows, live):  # every layer but the last on every row's queries, the last on the live rows
+        return [att(layer.self_attn, bs, rows, context, item) for layer in h_layers[:-1]] + [
+            att(last, bs, live, context, item)]
+
     if k and hasattr(head, "draft_parallel"):  # one draft forward: 2K rows write K/V, K live rows go on
         out.update(draft=0.0, verify=target_step(k + 1), accept=0.0,
                    catch_up=ms(lin(h_rows_all, bs * 2 * k), lin(h_live, bs * k), *head_att(2 * k, k)))

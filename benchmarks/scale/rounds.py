@@ -15,9 +15,10 @@ from benchmarks import harness
 from models import zoo
 from models.drafters import adapt
 from models.tp import tensor_parallel
+from specpass.drafters import DFlashConfig
 from specpass.loop import Decoder, TreeShape
 
-HEADS = {"eagle3": "eagle3", "parallel": "peagle3"}  # --drafter -> the zoo's head, llama3-8b-<this>
+HEADS = {"eagle3": "eagle3", "parallel": "peagle3", "block": "dflash"}  # --drafter -> the zoo's head, llama3-8b-<this>
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -40,19 +41,19 @@ class Bench:
     """The target and the head (random weights, built once and shared by every variant's decoder).
 
     base: the zoo's target (its head: `base`-eagle3); group: a process group to shard both over
-    (`models.tp.tensor_parallel`, built on the meta device: a rank allocates its shard alone)."""
+    (`models.tp.tensor_parallel`, built on the meta device: a rank allocates its shard alone). Tree
+    rounds run the EAGLE-3 head (built when first asked for, if --drafter is another)."""
 
     def __init__(self, args, base: str = "llama3-8b", group: dist.ProcessGroup | None = None):
         self.args, self.device, self.group = args, torch.device(args.device), group
-        dtype = torch.float32 if args.quick else torch.bfloat16
-        base = "tiny-llama" if args.quick else base
-        shard = None if group is None else functools.partial(tensor_parallel, group=group)
-        self.target = zoo.build(base, device=self.device, dtype=dtype, shard=shard)
-        head = zoo.config(f"{base}-{HEADS[args.drafter]}")
+        self.base = "tiny-llama" if args.quick else base
+        self.dtype = torch.float32 if args.quick else torch.bfloat16
+        self.target = self._build(self.base)
+        head = zoo.config(f"{self.base}-{HEADS[args.drafter]}")
         if args.head_layers:
             head = dataclasses.replace(head, num_hidden_layers=args.head_layers)
-        self.head = zoo.build(head, device=self.device, dtype=dtype, shard=shard)
-        self.head.embed_tokens = self.target.model.embed_tokens  # EAGLE-3 uses the target's, by reference
+        self.head = self._head(head)
+        self.heads = {args.drafter: self.head}
         self.mode = "reduce-overhead" if self.device.type == "cuda" else None
         harness.dynamo_limits(1024)
         self.gemm_times: dict[tuple, float] = {}  # `floors.gemm_floor`'s, by the linears and rows
@@ -61,10 +62,24 @@ class Bench:
         g = torch.Generator().manual_seed(bs * 7919 + length)
         return torch.randint(0, self.target.config.vocab_size, (bs, length), generator=g).tolist()
 
+    def _build(self, name_or_config, **kw):
+        shard = None if self.group is None else functools.partial(tensor_parallel, group=self.group)
+        return zoo.build(name_or_config, device=self.device, dtype=self.dtype, shard=shard, **kw)
+
+    def _head(self, config):
+        if isinstance(config, DFlashConfig):  # over the target's embedding and lm_head
+            return self._build(config, target=self.target)
+        head = self._build(config)
+        head.embed_tokens = self.target.model.embed_tokens  # EAGLE-3 uses the target's, by reference
+        return head
+
     def decoder(self, bs: int, max_len: int, k: int | TreeShape, backend: str | dict[str, Any], fused: bool) -> Decoder:
         """K drafts per round (0: the target alone) or a tree shape; backend: "specpass", "inductor" or
         specpass options."""
-        drafter = adapt(self.head) if k else None
+        if isinstance(k, TreeShape) and "eagle3" not in self.heads:
+            self.heads["eagle3"] = self._head(zoo.config(f"{self.base}-eagle3"))
+        head = self.heads["eagle3"] if isinstance(k, TreeShape) else self.head
+        drafter = adapt(head) if k else None
         return Decoder(self.target, drafter, k=k, max_batch=bs, max_len=max_len, compile=self.compiler(backend),
                        mode=self.mode, fused_round=fused, compile_prefill=False,  # its time cancels out
                        group=self.group)

@@ -16,7 +16,8 @@ from specpass.loop import cache_slots
 
 SHIPPED = {  # --drafter -> its measured acceptance: a file and the rows of it that hold it
     "eagle3": (harness.ROOT / "docs" / "e2e.json", dict(variant="eagle3/specpass-fused", dtype="bfloat16")),
-    "parallel": (harness.ROOT / "docs" / "acceptance_parallel3.json", dict(kind="parallel"))}  # the two-layer head
+    "parallel": (harness.ROOT / "docs" / "acceptance_parallel3.json", dict(kind="parallel")),  # the two-layer head
+    "block": (harness.ROOT / "docs" / "e2e_dflash.json", dict(variant="dflash/specpass-fused", dtype="bfloat16"))}
 # variant -> (its compiler: "specpass", "inductor" or specpass options; one graph per round)
 VARIANTS = {"decode": ("specpass", True), "specpass": ("specpass", True), "inductor": ("inductor", True),
             "specpass-no-split-kv": (dict(split_kv=False), True), "apart": ("specpass", False)}
@@ -27,7 +28,8 @@ def shipped_acceptance(drafter: str = "eagle3") -> list[float]:
     """Acceptance per draft position of the shipped head: the chain head's from its bf16 fused specpass
     run on the H100, the parallel head's from the 32 held-out prompts (fp32: bf16 rounds leave the
     greedy text early at bs 1); the run with the most positions, and beyond it each position keeps
-    the last measured conditional rate."""
+    the last measured conditional rate. The block draft's: its bf16 run at the largest K (its drafts
+    depend on K: each K's acceptance is its own, and the largest block's is what --k-sweep projects)."""
     path, match = SHIPPED[drafter]
     rows = [r for r in json.loads(path.read_text())
             if all(r.get(key) == value for key, value in match.items()) and r["acceptance"]]

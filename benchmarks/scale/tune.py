@@ -31,7 +31,8 @@ def tune_point(bench: Bench, args, bs: int, prompt: int, result: dict, save, lat
         print(f"  bs {bs} prompt {prompt} tune_k timed K {k}: {ms:.3f} ms/round ({time.perf_counter() - start:.0f} s)",
               file=sys.stderr, flush=True)
 
-    tune = functools.partial(dec.tune_k, prompts, args.tune_ks, on_timed=timed, acceptance=acceptance,
+    nest = getattr(bench.head, "drafts_nest", True)  # else each K's acceptance is measured (random weights: ~0)
+    tune = functools.partial(dec.tune_k, prompts, args.tune_ks, on_timed=timed, acceptance=acceptance if nest else None,
                              new_tokens=args.new_tokens, max_timings=args.tune_max_timings)
     if args.gpu_lock:  # compiles every K (kept), so that the tuning below only times
         tune(repeats=1)

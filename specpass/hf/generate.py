@@ -29,7 +29,7 @@ from specpass.loop import Decoder, Metrics, TreeShape, round_shape
 from specpass.loop.checks import check_cache_size
 from specpass.loop.shapes import aligned
 from specpass.report import Report
-from specpass.tensor_parallel import localize
+from specpass.tensor_parallel import follow, localize
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
 # The requests a new Decoder's caches hold: later calls of up to as many reuse its compiled steps;
@@ -175,7 +175,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
         backend = specpass_backend() if compile == "specpass" else compile
         # tp_plan="auto": the local shards, so that the passes see the graph (DTensors cannot be captured)
         target, group = localize(model) if any(isinstance(p, DTensor) for p in model.parameters()) else (model, None)
-        return Decoder(HFTarget(target), drafter, k=k, max_batch=max(len(prompts), max_batch or ROWS), max_len=slots,
+        held = follow(drafter, model, target) if isinstance(drafter, nn.Module) and target is not model else drafter
+        return Decoder(HFTarget(target), held, k=k, max_batch=max(len(prompts), max_batch or ROWS), max_len=slots,
                        compile=backend, mode=mode, fused_round=fused_round, group=group), _Recorder()
 
     decoder, recorder, _ = cache._get((config, slots), (model, assistant_model), build)

@@ -9,12 +9,14 @@
     tree.py       TREE: a TreeDrafter's round at a TreeShape, a drafted tree verified whole
     tree_math.py  the tree's algorithms: drafting, greedy and lossless sampled acceptance
     cost.py       the choice of K: price, choose_k, next_k_to_time, KChoice
+    choose.py     the choice among drafters: choose_drafter, tune_k on a Decoder per drafter
     runtime.py    compiling and running the steps: own code objects, guards, CUDA-graph clones, timers
     checks.py     what Decoder is given, checked
     distributed.py  tensor parallel: the ranks' agreement checked, and the group's teardown
     driver.py     Decoder: binds, compiles, prefills, loops
 """
 
+from specpass.loop.choose import choose_drafter
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, price
 from specpass.loop.driver import Decoder, Metrics, Output, Run
 from specpass.loop.protocols import ChainDrafter, Drafter, ParallelDrafter, Target, TreeDrafter, TreeTarget
@@ -44,6 +46,7 @@ __all__ = [
     "TreeShape",
     "TreeTarget",
     "cache_slots",
+    "choose_drafter",
     "choose_k",
     "expected_accept_length",
     "next_k_to_time",

@@ -106,7 +106,6 @@ class TreeDrafter(Drafter, Protocol):
         slots so numbered -> (logits [B, T, Vd], hidden [B, T, Hd])."""
 
 
-@functools.cache  # a target's forward asks at every call (eager) or trace: the kind parsed once
 def hidden_indices(kind: str, layers: int) -> tuple[int, ...]:
     """Which hidden states a drafter's `hidden_kind` reads, for a target of L layers, as indices into
     transformers' `hidden_states` (L + 1: the embeddings, then each layer's output, the last after
