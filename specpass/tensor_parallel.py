@@ -3,6 +3,7 @@
     parallelize(model, group, {"layers.0.attn.q_proj": ColwiseParallel(), ...})   # torch's plan, in place
     shards, group = localize(hf_model)      # transformers' tp_plan="auto": a copy on its local shards
     drafter = follow(drafter, hf_model, shards)   # a drafter holding hf_model's modules: the copy's instead
+    shard(drafter, group)                   # specpass's own layers (a DFlash or EAGLE-3 head), in place
 
 specpass's IR is traced with `make_fx(pre_dispatch=True)`, which cannot run compute on a DTensor
 ("RuntimeError: Unable to cast NotImplemented to Tensor" at the first `linear` on a DTensor
@@ -32,11 +33,61 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from specpass.drafters.attention import Attention
+from specpass.drafters.dflash import DFlashDraft
+from specpass.drafters.layers import SwiGLU
+
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the old name before torch 2.13
 
 # transformers' style names -> what their output is: local shard, all-reduced, gathered
 _HF_STYLES = {"colwise": "local", "packed_colwise": "local", "rowwise": "reduced", "packed_rowwise": "reduced",
               "colwise_gather_output": "gathered"}
+
+
+def shard(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    """`model` (specpass's layers: the zoo's models, specpass's drafters) on this rank's shard of
+    every `Attention` and `SwiGLU` and of its own lm_head (`shard_plan`), in place (`parallelize`)."""
+    world = dist.get_world_size(group)
+    plan = shard_plan(model, world)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.n_heads //= world  # the reshapes to heads read these: this rank's heads
+            module.n_kv_heads //= min(world, module.n_kv_heads)
+    return parallelize(model, group, plan)
+
+
+def shard_plan(model: nn.Module, world: int) -> dict[str, ParallelStyle]:
+    """torch's styles for specpass's layers in `model` over `world` ranks: module name -> style. Every
+    `Attention`'s q/k/v_proj column-parallel (its heads: the contiguous query heads a rank keeps read
+    the K/V heads it keeps; a single K/V head stays whole on every rank) and o_proj row-parallel
+    (all-reduced); every `SwiGLU`'s gate/up_proj column-parallel, down_proj row-parallel; the
+    lm_head column-parallel over the vocabulary with its logits gathered (Replicate), but a DFlash
+    draft's, which is its target's (sharded with the target). Embeddings, norms and the heads' fc
+    stay whole. Raises ValueError where a size does not split."""
+    plan: dict[str, ParallelStyle] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            if module.n_heads % world or (module.n_kv_heads % world and module.n_kv_heads != 1):
+                raise ValueError(f"{name}: {module.n_heads} query and {module.n_kv_heads} K/V heads do not split "
+                                 f"over {world} ranks: use a world size that divides both (a single K/V head "
+                                 "stays whole on every rank)")
+            sharded = ("q_proj", "k_proj", "v_proj") if module.n_kv_heads % world == 0 else ("q_proj",)
+            plan.update({f"{name}.{p}": ColwiseParallel() for p in sharded})
+            plan[f"{name}.o_proj"] = RowwiseParallel()
+        elif isinstance(module, SwiGLU):
+            _check_split(name, "intermediate size", module.gate_proj.out_features, world)
+            plan.update({f"{name}.gate_proj": ColwiseParallel(), f"{name}.up_proj": ColwiseParallel(),
+                         f"{name}.down_proj": RowwiseParallel()})
+    if isinstance(getattr(model, "lm_head", None), nn.Linear) and not isinstance(model, DFlashDraft):
+        _check_split("lm_head", "vocabulary", model.lm_head.out_features, world)
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())  # the logits gathered on every rank
+    return plan
+
+
+def _check_split(name: str, what: str, size: int, world: int) -> None:
+    if size % world:
+        raise ValueError(f"{name}: the {what} {size} does not split over {world} ranks: use a world size that "
+                         "divides it (an uneven shard would give ranks different shapes)")
 
 
 def parallelize(model: nn.Module, group: dist.ProcessGroup, plan: dict[str, ParallelStyle]) -> nn.Module:

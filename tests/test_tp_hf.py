@@ -6,6 +6,7 @@ through specpass with its rewrites (the passes see the local shards: `specpass.t
 localize`); the user's model left as it was. A style localize does not know is refused."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -34,6 +35,8 @@ def save_pair(path):
                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
         LlamaForCausalLM(config).save_pretrained(path / name)
     dflash_folder(path / "dflash", layers=1, sizes={**SIZES, "head_dim": 8}, reads=(0, 1))
+    one_head = {**SIZES, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 32}
+    dflash_folder(path / "dflash_one_head", layers=1, sizes=one_head, reads=(0, 1))  # does not split over 2
 
 
 def batch(prompts):
@@ -65,6 +68,10 @@ def _worker(rank, path):
         # the passes on the local shards, the rewritten graphs run eagerly (Inductor at TP: benchmarks/hf_tp.py)
         specpass_tokens, rewrites = ours(model, PROMPTS, compile=specpass.backend(handoff="eager"), assistant_model=draft)
         block = specpass.load_drafter(f"{path}/dflash", model)  # over the DTensor embedding and lm_head
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            one_head_tokens = ours(model, PROMPTS, num_assistant_tokens=3,
+                                   assistant_model=specpass.load_drafter(f"{path}/dflash_one_head", model))[0]
         got = {
             "sharded": sharded,
             "plain bs 1": ours(model, PROMPTS[:1])[0],
@@ -73,6 +80,11 @@ def _worker(rank, path):
             "sampled ragged": ours(model, PROMPTS, assistant_model=draft, **SAMPLED)[0],
             "specpass draft ragged": specpass_tokens,
             "block ragged": ours(model, PROMPTS, assistant_model=block, num_assistant_tokens=3)[0],
+            "one-head block ragged": one_head_tokens,
+            "one-head warning": [str(w.message) for w in caught if issubclass(w.category, specpass.SpecpassWarning)],
+            # the draft generate ran: its heads sharded (2 of 4, 8 wide), the user's left whole
+            "block draft heads": [list(specpass.generate.cache)[-1].drafter.layers[0].self_attn.q_proj.out_features,
+                                  block.layers[0].self_attn.q_proj.out_features],
             "rewrites": sorted({line.split("]")[0][1:] for lines in rewrites.values() for line in lines}),
             "still sharded": type(model.model.layers[0].self_attn.q_proj.weight).__name__,
         }
@@ -117,6 +129,17 @@ def test_the_model_is_loaded_sharded(ranks):
 def test_every_rank_emits_the_single_process_tokens(ranks, one_process, case, want):
     assert ranks[0][case] == ranks[1][case] == one_process[want]
     assert max(sum(t != 0 for t in row) for row in one_process[want]) > NEW // 2  # not stopped at once
+
+
+def test_a_dflash_draft_runs_sharded_over_the_local_shards(ranks):
+    assert ranks[0]["block draft heads"] == ranks[1]["block draft heads"] == [16, 32]
+
+
+def test_a_draft_whose_heads_do_not_split_runs_whole_with_a_warning(ranks, one_process):
+    for got in ranks:
+        assert got["one-head block ragged"] == one_process["greedy ragged"]
+        assert any("the drafter runs whole on every rank (layers.0.self_attn: 1 query and 1 K/V heads do not "
+                   "split over 2 ranks" in w for w in got["one-head warning"]), got["one-head warning"]
 
 
 def test_the_passes_rewrite_the_local_shards_and_the_model_stays_sharded(ranks):

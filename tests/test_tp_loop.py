@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 import specpass
 from models import zoo
 from models.drafters import ZooDrafter, adapt
-from models.tp import tensor_parallel, zoo_plan
+from models.tp import tensor_parallel
+from specpass.tensor_parallel import shard_plan
 from specpass.loop import Decoder, cache_slots
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # ragged: 3, 9, 1
@@ -192,11 +193,11 @@ def test_ranks_that_disagree_are_refused_on_every_rank(ranks, case, says):
 def test_sizes_that_do_not_split_are_refused(name, change, world, says):
     model = zoo.build(dataclasses.replace(zoo.config(name), **change))
     with pytest.raises(ValueError, match=says):
-        zoo_plan(model, world)
+        shard_plan(model, world)
 
 
 def test_one_k_v_head_stays_whole_on_every_rank():
-    plan = zoo_plan(zoo.build("tiny-llama-draft"), 2)  # 4 query heads, 1 K/V head
+    plan = shard_plan(zoo.build("tiny-llama-draft"), 2)  # 4 query heads, 1 K/V head
     assert {n.rsplit(".", 1)[1] for n in plan if ".self_attn." in n} == {"q_proj", "o_proj"}
 
 

@@ -23,13 +23,13 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from specpass.compile_backend import backend as specpass_backend, collecting_reports
+from specpass.compile_backend import backend as specpass_backend, collecting_reports, warn
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
 from specpass.loop import Decoder, Metrics, TreeShape, round_shape
 from specpass.loop.checks import check_cache_size
 from specpass.loop.shapes import aligned
 from specpass.report import Report
-from specpass.tensor_parallel import follow, localize
+from specpass.tensor_parallel import follow, localize, shard
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
 # The requests a new Decoder's caches hold: later calls of up to as many reuse its compiled steps;
@@ -175,7 +175,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
         backend = specpass_backend() if compile == "specpass" else compile
         # tp_plan="auto": the local shards, so that the passes see the graph (DTensors cannot be captured)
         target, group = localize(model) if any(isinstance(p, DTensor) for p in model.parameters()) else (model, None)
-        held = follow(drafter, model, target) if isinstance(drafter, nn.Module) and target is not model else drafter
+        held = _drafter_at_tp(drafter, model, target, group) if group is not None else drafter
         return Decoder(HFTarget(target), held, k=k, max_batch=max(len(prompts), max_batch or ROWS), max_len=slots,
                        compile=backend, mode=mode, fused_round=fused_round, group=group), _Recorder()
 
@@ -199,6 +199,20 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
 
 
 generate.cache = DecoderCache(keep=4)
+
+
+def _drafter_at_tp(drafter: Any, model: nn.Module, local: nn.Module, group) -> Any:
+    """A drafter for the local shards `local` of a tp_plan="auto" `model`: one holding `model`'s
+    modules (a DFlash draft's embedding and lm_head, an EAGLE-3 head's embedding) as a copy holding
+    the local copy's (`follow`), its own layers sharded as the target's are (`shard`), or replicated
+    where a size does not split (warned). Any other (a standalone draft) as it is: replicated."""
+    if not isinstance(drafter, nn.Module) or (held := follow(drafter, model, local)) is drafter:
+        return drafter
+    try:
+        return shard(held, group)  # shard_plan's check raises before anything is changed
+    except ValueError as exc:
+        warn(f"the drafter runs whole on every rank ({exc})")
+        return held
 
 
 def _new_slots(need: int, models: tuple[Any, Any]) -> int:
