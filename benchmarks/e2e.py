@@ -288,6 +288,7 @@ def sweep(args, save) -> list[dict]:
               file=sys.stderr)
 
     loops = [] if args.no_plain else [("plain", None, "inductor", True, 0)]
+    tuned = []
     for drafter, (loop, (compile, fused)) in itertools.product(DRAFTERS, LOOPS.items()):
         if f"{drafter}/{loop}" in args.variants:
             sweep_k = [k for k in args.k_sweep if k != args.k] if f"{drafter}/{loop}" in args.swept else []
@@ -296,7 +297,8 @@ def sweep(args, save) -> list[dict]:
                 loops += [(f"{drafter}/{loop}", drafter, compile, fused, tree) for tree in args.trees
                           if f"{drafter}/{loop}" in args.swept]
             if f"{drafter}/{loop}" in (SWEPT[0], SWEPT[2]):  # the chain head's and the block draft's own choice
-                loops += [(f"{drafter}/{loop}/tuned", drafter, compile, fused, TUNED)] * args.tuned
+                tuned += [(f"{drafter}/{loop}/tuned", drafter, compile, fused, TUNED)] * args.tuned
+    loops += tuned  # last: they compile the most, and --stop-after drops them first
     for bs in args.bs:
         batches = bench.batches(bs)
         results = bench.run_loops(batches, loops)
