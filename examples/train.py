@@ -705,10 +705,11 @@ def train_dflash(args, cfg: DFlashConfig, target_dir, out_dir, train_tokens, hel
     target = load(Llama, target_dir, device=device, dtype=torch.float32).requires_grad_(False)
     draft = DFlashDraft(cfg, target.model.embed_tokens, target.lm_head).to(device)
     own = [draft.fc, draft.hidden_norm, draft.layers, draft.norm]  # not the target's embedding and lm_head
-    for module in own:
-        init_weights(module)
     if args.init_from is not None:  # every tensor of the draft's own, or load_state_dict names what differs
         draft.load_state_dict(load_drafter(args.init_from, target).state_dict())
+    else:
+        for module in own:
+            init_weights(module)
     k = cfg.block_size - 1
     weight = torch.exp(-torch.arange(k, device=device) / DFLASH_DECAY)
     weight = weight / weight.sum()  # [K]

@@ -23,11 +23,11 @@ import torch
 import torch.nn as nn
 
 from models.checkpoint import checkpoint_tensors, retie, save
-from specpass.drafters import DFlashConfig, DFlashDraft
 from models.eagle3 import Eagle3Config, Eagle3Head
 from models.llama import Llama, LlamaConfig
 from models.nextn import NextN, NextNConfig
 from models.peagle import ParallelEagle3Config, ParallelEagle3Head
+from specpass.drafters import DFlashConfig, DFlashDraft
 
 _TINY_MLA = dict(q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
 _TINY_MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)

@@ -28,7 +28,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from specpass.capture import capture
-from specpass.graph import (SCALAR_READS, is_impure, is_mutation, is_region_call, make_local_writes_functional,
+from specpass.graph import (SCALAR_READS, emit, is_impure, is_mutation, is_region_call, make_local_writes_functional,
                             region_body, region_operands, same_shape, storage, written_storages)
 from specpass.options import Options
 from specpass.passes import argmax, gqa, live_rows, split_kv, topk_sort
@@ -71,6 +71,7 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
     with report.timed("prepare/functional"):
         make_local_writes_functional(current)  # the IR: in place only what another tensor sees
     _clean(current, report, "prepare", as_captured)
+    dense = [_dense(v) for v in _output_values(current)]
     for name, run in PASSES:
         if not getattr(options, name):
             continue
@@ -105,6 +106,7 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
             continue
         report.findings.extend(findings)
         current = candidate
+    _keep_dense_outputs(current, dense)
     current = _rewrite_bodies(current, options, report)
     with report.timed("report/flops"):
         report.matmul_flops = (graph_matmul_flops(gm), graph_matmul_flops(current))
@@ -303,6 +305,38 @@ def _out_sig(arg: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return (tuple(value.shape), value.dtype)
     return type(value)
+
+
+def _output_values(gm: fx.GraphModule) -> list[Any]:
+    return [a.meta.get("val") if isinstance(a, fx.Node) else a
+            for a in torch.utils._pytree.tree_leaves(gm.graph.output_node().args[0])]
+
+
+def _keep_dense_outputs(gm: fx.GraphModule, dense: list[bool]) -> None:
+    """An output the passes left strided where it was dense (a slice of a sorted row, a transposed
+    attention output) is copied back to the dense layout: the step that reads it next may be compiled
+    for that layout (a saved step checks strides and does not recompile)."""
+    out = gm.graph.output_node()
+    leaves = torch.utils._pytree.tree_leaves(out.args[0])
+    for leaf, was_dense in zip(leaves, dense):
+        if was_dense and isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor) \
+                and not _dense(leaf.meta["val"]):
+            with gm.graph.inserting_before(out):
+                copy = emit(gm.graph, torch.ops.aten.clone.default, (leaf,), {"memory_format": torch.contiguous_format})
+            out.replace_input_with(leaf, copy)
+    gm.recompile()
+
+
+def _dense(value: Any) -> bool:
+    """A tensor with row-major strides (a dim of size 1 aside), compared as expressions: no guard is added."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    expect: Any = 1
+    for size, stride in reversed(list(zip(value.shape, value.stride()))):
+        if not (isinstance(size, int) and size == 1) and not _same_sizes([stride], [expect]):
+            return False
+        expect = expect * size
+    return True
 
 
 def _same_outputs(a: list[Any], b: list[Any]) -> bool:

@@ -53,6 +53,18 @@ def shrink_output(gm, options):
     return [Finding("shrink", result.name, True, "bad")]
 
 
+def stride_output(gm, options):
+    """Breaks the dense-output invariant, not the shape: the output becomes the first half of each
+    row of a doubled tensor, the same values under other strides."""
+    out = gm.graph.output_node()
+    (result,) = out.args[0]
+    with gm.graph.inserting_before(out):
+        doubled = emit(gm.graph, aten.cat.default, ([result, result], -1))
+        half = emit(gm.graph, aten.slice.Tensor, (doubled, -1, 0, result.meta["val"].shape[-1]))
+    out.args = ((half,),)
+    return [Finding("stride", result.name, True, "bad")]
+
+
 def drop_kv_write(gm, options):
     """Breaks the in-place-write invariant: replaces the first KV write by its input."""
     write = next(n for n in gm.graph.nodes if n.target is aten.index_copy_.default)
@@ -134,6 +146,18 @@ class TestPipeline(expecttest.TestCase):
             self.assertEqual(result.report.findings, [])
             self.assertIn(message, result.report.errors[0])
             self.assertEqual(graph_str(result.graph_module), graph_str(gm))
+
+    def test_a_dense_output_is_left_dense(self):
+        """A pass that leaves a dense output strided (same shape and values): the pipeline copies it
+        back to the dense layout; ToyDraft's `logits[:, -1]`, strided as captured, is not copied."""
+        pipeline.PASSES = [("live_rows", stride_output)]
+        result = specpass.rewrite(specpass.capture(torch.nn.Linear(8, 16).eval(), torch.randn(3, 8)))  # a dense [3, 16]
+        self.assertEqual([f.pass_name for f in result.report.rewrites], ["stride"])
+        (out,) = result.graph_module.graph.output_node().args[0]
+        self.assertEqual((out.target, out.args[0].target), (aten.clone.default, aten.slice.Tensor))
+        self.assertEqual(out.meta["val"].stride(), (16, 1))
+        strided = specpass.rewrite(_captured()).graph_module.graph
+        self.assertEqual(strided.output_node().args[0][0].target, aten.slice.Tensor)  # as the pass left it
 
     def test_a_pass_that_leaves_the_graph_alone_is_not_propagated_again(self):
         propagated = []

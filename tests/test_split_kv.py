@@ -67,7 +67,8 @@ transpose_int_1: bf16[2, 40, 2, 64] = transpose.int(k_1, 1, 2)
 transpose_int_2: bf16[2, 40, 2, 64] = transpose.int(v_1, 1, 2)
 attend_split: bf16[2, 5, 6, 64] = specpass.attend_split(transpose_int, transpose_int_1, transpose_int_2, mask_1, 0.125)
 transpose_int_3: bf16[2, 6, 5, 64] = transpose.int(attend_split, 1, 2)
-return transpose_int_3""")
+clone_default: bf16[2, 6, 5, 64] = clone(transpose_int_3, memory_format=torch.contiguous_format)
+return clone_default""")
         self.assertExpectedInline(verdicts(result), """[split_kv] rewrote scaled_dot_product_attention: runs as specpass.attend_split (split-KV: 5 tokens x 3 query heads = 15 rows per K/V head, each of the 2 K/V heads read once) instead of SDPA""")
         assert [f.fired for f in result.report.of("gqa")] == [True]
         assert result.report.matmul_flops[0] == result.report.matmul_flops[1] > 0  # the same attention
@@ -90,7 +91,8 @@ transpose_int_2: bf16[2, 40, 2, 64] = transpose.int(v_1, 1, 2)
 expand_default: b8[2, 1, 5, 40] = expand(mask_1, [2, 1, 5, 40])
 attend_split: bf16[2, 5, 6, 64] = specpass.attend_split(transpose_int, transpose_int_1, transpose_int_2, expand_default, 0.125)
 transpose_int_3: bf16[2, 6, 5, 64] = transpose.int(attend_split, 1, 2)
-return transpose_int_3""")
+clone_default: bf16[2, 6, 5, 64] = clone(transpose_int_3, memory_format=torch.contiguous_format)
+return clone_default""")
 
     def test_option_off(self):
         gm, result = traced(transformers_attention, *fakes(FakeTensorMode()), split_kv=False)

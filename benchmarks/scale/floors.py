@@ -62,9 +62,10 @@ def floors(target, head, bs: int, k: int, context: int, ceil: dict, gemm=None) -
 
     out = dict(decode=target_step(1))
     if isinstance(head, DFlashDraft):
-        # the verify, then one block forward (the loop's catch-up step): the K+1 verified rows' context (fc, each layer's K/V
-        # projections: GEMMs of their own, as the model runs them), the block's K+1 rows through
-        # every layer attending over the context, the target's lm_head on the K drafts
+        # the verify, then one block forward (the loop's catch-up step): the K+1 verified rows'
+        # context (fc, each layer's K/V projections: GEMMs of their own, as the model runs them), the
+        # block's K+1 rows through every layer attending over the context, the target's lm_head on
+        # the K drafts
         if not k:
             return out
         attn = [layer.self_attn for layer in head.layers]

@@ -14,8 +14,8 @@ which is what topk returns, sorted or not (sorted=False leaves the order unspeci
 values topk promises no index order; the stable sort gives the first index. NaN sorts as the
 largest value in both. Inductor's own `decompose_sort_ops` (torch 2.13) makes the same rewrite.
 
-The slice is a view of the sorted rows, not contiguous as topk's outputs are: where one leaves the
-graph or is viewed, it is copied to topk's layout.
+The slice is a view of the sorted rows, not contiguous as topk's outputs are; where one is a graph
+output, the pipeline copies it back to topk's layout (`pipeline._keep_dense_outputs`).
 
 When, proven from the fake tensors: CUDA; the row's length along dim a static int of at most 512
 (Inductor sorts rows up to 512 in one persistent kernel and falls back to ATen's sort above, which
@@ -93,17 +93,8 @@ def _rewrite(node: fx.Node, x: torch.Tensor) -> str:
         pair = emit(graph, aten.sort.stable, (source,), {"stable": True, "dim": dim, "descending": largest})
         parts = [emit(graph, aten.slice.Tensor, (emit(graph, operator.getitem, (pair, i)), dim, 0, k))
                  for i in (0, 1)]
-    # topk's outputs are contiguous, the slice is not when a dim before `dim` may exceed 1. Where an
-    # output leaves the graph (the next compiled step was compiled for topk's layout: a saved step
-    # has no stride guard) or is viewed, it gets topk's layout: a copy of k per row.
-    strided = static_int(x.shape[dim]) != k and any(static_int(n) != 1 for n in x.shape[:dim])
     for user in list(node.users):
-        part = parts[user.args[1]]
-        for use in [u for u in user.users if u.op == "output" or u.target is aten.view.default] if strided else []:
-            with graph.inserting_before(use):
-                use.replace_input_with(user, emit(graph, aten.clone.default, (part,),
-                                                  {"memory_format": torch.contiguous_format}))
-        user.replace_all_uses_with(part)
+        user.replace_all_uses_with(parts[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(node)
     return (f"topk({k}) of rows of {static_int(x.shape[dim])} runs as a stable sort and a slice "
