@@ -6,6 +6,7 @@
     python examples/generate.py --target T --nextn N --prompt "def f(x):" --device cuda --dtype bfloat16
     python examples/generate.py --block checkpoints/stdlib-llama-dflash --k 15       # a DFlash block draft
     python examples/generate.py --temperature 0.6 --top-p 0.95 --seed 0   # speculative sampling
+    python examples/generate.py --dtype bfloat16 --exact --check   # exact mode: plain's tokens bit for bit
 
 The default pair (checkpoints/, made by examples/train.py) is a 19M-parameter Llama trained on the
 Python standard library's source and an EAGLE-3 head trained on its hidden states; the default
@@ -134,9 +135,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=at_least(int, 0, "int"), help="sample from the k most likely tokens (0: off)")
     parser.add_argument("--top-p", type=probability, help="sample from the smallest set of tokens of this mass (1: off)")
     parser.add_argument("--seed", type=at_least(int, 0, "int"), default=0, help="the same seed gives the same tokens")
+    parser.add_argument("--exact", action="store_true",
+                        help="exact mode: both decoders add every sum in a row-invariant order, so speculative "
+                             "decoding gives plain decoding's logits bit for bit in any dtype (docs/loop.md)")
     parser.add_argument("--greedy-drafts", action="store_true",
                         help="when sampling, draft the arg-max (q one-hot) instead of sampling drafts")
     args = parser.parse_args(argv)
+    if args.exact and args.compile != "specpass":
+        parser.error(f"--exact needs --compile specpass (got {args.compile}): specpass's exact pass routes the sums")
     if args.check and args.temperature > 0:
         parser.error("--check compares with plain greedy decoding, so it needs --temperature 0; sampled tokens "
                      "differ from plain sampling's draw by draw (tests/test_sampling.py tests their distribution)")
@@ -175,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [encode(t) for t in texts]
     k = args.tree or args.k
     max_len = cache_slots(max(map(len, prompts)), args.max_new_tokens, k)
-    shape = dict(max_batch=len(prompts), max_len=max_len,
+    shape = dict(max_batch=len(prompts), max_len=max_len, exact=args.exact,
                  compile=backend, mode="reduce-overhead" if cuda and args.compile != "eager" else None)
     fused = args.round == "fused"
     decoders = {"speculative": Decoder(target, drafter, k=k, fused_round=fused, greedy_drafts=args.greedy_drafts,
@@ -204,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     speed = {name: r.metrics.new_tokens / seconds[name] for name, r in results.items()}
     print(f"drafter: {kind} ({draft_dir}), {f'k = {k}' if args.tree is None else k}, compile = {args.compile}"
           f"{f' (handoff {args.handoff})' if args.compile == 'specpass' else ''}"
-          f", round {args.round}, {args.device} {args.dtype}, {len(prompts)} prompts, "
+          f", round {args.round}, {args.device} {args.dtype}{', exact mode' if args.exact else ''}, {len(prompts)} prompts, "
           + (f"sampling: temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed}"
              f"{', greedy drafts' if args.greedy_drafts else ''}" if args.temperature > 0 else "greedy"))
     print(f"mean accepted length: {m.accept_length:.2f} tokens per round (at most {depth(k) + 1})")

@@ -14,7 +14,7 @@
 import sys
 import types
 
-from specpass.compile_backend import SpecpassWarning, backend, default_backend
+from specpass.compile_backend import ExactModeError, SpecpassWarning, backend, default_backend
 from specpass.capture import CaptureError, capture
 from specpass.drafters import load_drafter
 from specpass.export_program import export
@@ -33,6 +33,7 @@ __all__ = [
     "Decoder",
     "DecoderCache",
     "Drafter",
+    "ExactModeError",
     "Finding",
     "Options",
     "ParallelDrafter",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 import logging
 import os
 import re
@@ -34,6 +35,10 @@ class SpecpassWarning(UserWarning):
     """specpass compiled a graph without (some of) its rewrites."""
 
 
+class ExactModeError(RuntimeError):
+    """Exact mode (`exact=True`) could not make a graph row-invariant: it is refused, never run inexactly."""
+
+
 def backend(**options: Any) -> Callable[..., Callable]:
     """A torch.compile backend with these specpass options (see `specpass.Options`).
 
@@ -57,7 +62,10 @@ def backend(**options: Any) -> Callable[..., Callable]:
         inductor_options = dict(options or {})
         ours = {k: inductor_options.pop(k) for k in list(inductor_options) if k in Options.names()}
         opts = Options.make(**{**dataclasses.asdict(base), **ours}) if ours else base
+        if opts.exact:  # each op's result rounded as eager rounds it, no fused multiply-add: fusions change no bits
+            inductor_options.setdefault("emulate_precision_casts", True)
         handoff = _handoff(opts.handoff, mode, inductor_options)
+        fallback = _refuse_inexact(name) if opts.exact else warn
 
         timer = Report()
         with timer.timed("cache/key"):
@@ -70,8 +78,8 @@ def backend(**options: Any) -> Callable[..., Callable]:
             try:
                 aten_gm = to_aten_ir(gm, example_inputs)
             except Exception as exc:
-                warn(f"specpass could not capture this graph ({type(exc).__name__}: {exc}); "
-                     "compiling it without rewrites")
+                fallback(f"specpass could not capture this graph ({type(exc).__name__}: {exc}); "
+                         "compiling it without rewrites")
                 return handoff(gm, example_inputs)
 
             try:
@@ -81,8 +89,8 @@ def backend(**options: Any) -> Callable[..., Callable]:
                 for compiled in (result.graph_module, aten_gm):
                     adopt_dynamo_inputs(gm, compiled)
             except Exception as exc:  # the pipeline's own checks failed on the unrewritten graph
-                warn(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
-                     "compiling it without rewrites")
+                fallback(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
+                         "compiling it without rewrites")
                 return handoff(gm, example_inputs)
             with timer.timed("cache/store"):
                 _store(cache_key, result)
@@ -90,6 +98,8 @@ def backend(**options: Any) -> Callable[..., Callable]:
             adopt_dynamo_inputs(gm, result.graph_module)
         if cache_key is not None:
             result.report.seconds.update(timer.seconds)
+        if opts.exact:
+            _check_exact(result.report, name)
         for error in result.report.errors:
             warn(error)
         try:
@@ -101,8 +111,8 @@ def backend(**options: Any) -> Callable[..., Callable]:
         try:
             return handoff(result.graph_module, example_inputs)
         except Exception as exc:
-            warn(f"compiling the rewritten graph failed ({type(exc).__name__}: {exc}); "
-                 "compiling it without rewrites")
+            fallback(f"compiling the rewritten graph failed ({type(exc).__name__}: {exc}); "
+                     "compiling it without rewrites")
             return handoff(aten_gm if aten_gm is not None else _unrewritten(gm, example_inputs), example_inputs)
 
     specpass_backend.options = base  # type: ignore[attr-defined]
@@ -110,6 +120,23 @@ def backend(**options: Any) -> Callable[..., Callable]:
 
 
 default_backend = backend()
+
+
+def _refuse_inexact(step: str) -> Callable[[str], None]:
+    def refuse(message: str) -> None:
+        raise ExactModeError(f"exact mode refuses {step}: {message.partition('; ')[0]}")
+    return refuse
+
+
+def _check_exact(report: Report, step: str) -> None:
+    """Every candidate of the exact pass rewritten, and the pass kept: else the step is refused."""
+    left = Counter(f.message for f in report.findings if f.pass_name == "exact" and not f.fired)
+    left = [f"{message} ({n} node{'s' if n > 1 else ''})" for message, n in left.items()]
+    dropped = [e for e in report.errors if "pass exact " in e]
+    if left or dropped:
+        raise ExactModeError(
+            f"exact mode cannot make {step} row-invariant: " + "; ".join(left + dropped)
+            + ". Run without exact=True, or write the model with ops exact mode routes (docs/loop.md, exact mode)")
 
 
 def _cache_key(gm: fx.GraphModule, example_inputs: list[Any], options: Options) -> str | None:

@@ -36,6 +36,9 @@ class Options:
     # the first among equal inputs (eager's index wherever its maximum probability is unique).
     # "eager": eager's index, the first probability equal to the maximum after rounding.
     argmax_ties: str = "input"
+    # Exact mode: every op that adds floats runs as a row-invariant kernel (passes/exact.py), and
+    # a graph that cannot be made so is refused. Turns split_kv off (its kernel splits by rows).
+    exact: bool = False
     # Backend only: "inductor" compiles the rewritten graph, "eager" runs it as is.
     handoff: str = "inductor"
 
@@ -50,7 +53,7 @@ class Options:
             raise TypeError(
                 f"unknown specpass option(s) {unknown}; valid options are {cls.names()}"
             )
-        for name in ("argmax", "live_rows", "gqa", "split_kv", "topk_sort", "q_slice", "split_projections"):
+        for name in ("argmax", "live_rows", "gqa", "split_kv", "topk_sort", "q_slice", "split_projections", "exact"):
             if name in options and not isinstance(options[name], bool):
                 raise ValueError(f"specpass option {name}= must be True or False, got {options[name]!r}")
         if "split_min_rows" in options and (not isinstance(options["split_min_rows"], int)
@@ -63,4 +66,9 @@ class Options:
                 raise ValueError(
                     f"specpass option {name}= must be one of {list(allowed)}, got {options[name]!r}"
                 )
+        if options.get("exact") and options.get("split_kv"):
+            raise ValueError("specpass options exact=True and split_kv=True: the split-KV kernel splits the slots "
+                             "by the rows' count, which exact mode forbids; leave split_kv out")
+        if options.get("exact"):
+            options = {**options, "split_kv": False}
         return cls(**options)

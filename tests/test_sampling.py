@@ -56,6 +56,7 @@ CASES = {
     "eagle-t1-specpass-apart": ("eagle", 2, 1.0, None, None, False, "specpass", False),
     "draft-t0.6-topp-specpass-fused": ("draft", 3, 0.6, None, 0.9, False, "specpass", True),
     "dflash-t0.8-topk": ("dflash", 3, 0.8, 8, None, False, "eager", False),  # one block forward a round
+    "eagle-t0.8-exact": ("eagle", 2, 0.8, None, None, False, "exact", False),  # exact mode (test_exact.py)
 }
 ALPHA = 0.01 / len(CASES)
 
@@ -87,10 +88,10 @@ def _drafter(kind: str) -> ZooDrafter | DFlashDraft:
 
 
 def run(target, n, drafter=None, k=2, greedy_drafts=False, compile="eager", fused=False, seed=0, **params):
-    backend = specpass.backend(handoff="eager") if compile == "specpass" else compile
+    backend = specpass.backend(handoff="eager") if compile in ("specpass", "exact") else compile
     max_len = round_shape(drafter).cache_slots(len(PROMPT), NEW, k) + 1
     dec = Decoder(target, drafter, k=k, max_batch=n, max_len=max_len, compile=backend,
-                  fused_round=fused, greedy_drafts=greedy_drafts)
+                  fused_round=fused, greedy_drafts=greedy_drafts, exact=compile == "exact")
     out = dec.generate([PROMPT] * n, NEW, seed=seed, **params)
     assert all(len(t) == NEW for t in out.tokens)
     return torch.tensor(out.tokens), out.metrics

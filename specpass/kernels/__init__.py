@@ -25,6 +25,8 @@ formulation, and the ones the loop samples with. One module each; importing this
     #   (broadcast axes as stride 0 are fine), hk dividing hq -> [B, T, hq, dv]: attention of query
     #   head j against K/V head j // (hq / hk) over the slots the mask shows, the scale given.
 
+    y = torch.ops.specpass.exact_linear(x, w, b)   # exact.py: exact mode's row-invariant ops (its docstring)
+
 The value is written by the kernel, in the dtype its user wants, so that a sampled token and its
 (log-)probability need no second kernel; at a token t the log-probability is logits[t] - lse. On
 CUDA it is one pass over the row in Triton (kernels/triton_top1.py, imported on first use: Triton
@@ -36,7 +38,7 @@ CUDA kernels/triton_attention.py; elsewhere the folded SDPA (`attend_folded`). A
 with a fake implementation: Inductor calls each as one extern kernel, CUDA graphs capture it.
 """
 
-from specpass.kernels import floor, top1  # noqa: F401  registers torch.ops.specpass.{floor, top1_lse, sample}
+from specpass.kernels import exact, floor, top1  # noqa: F401  registers torch.ops.specpass.{exact_*, floor, top1_lse, sample}
 from specpass.kernels.attention import SPLIT_MAX_ROWS, attend_folded, attend_split, attend_split_refusal
 
 __all__ = ["SPLIT_MAX_ROWS", "attend_folded", "attend_split", "attend_split_refusal"]

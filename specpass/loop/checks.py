@@ -15,6 +15,7 @@ from specpass.loop.runtime import COMPILERS
 from specpass.loop.shapes import round_shape
 from specpass.loop.steps import is_int
 from specpass.loop.tree import TreeShape
+from specpass.options import Options
 
 
 def check_models(target: Any, drafter: Any) -> None:
@@ -47,6 +48,28 @@ def check_options(max_batch: Any, max_len: Any, compile: Any, compile_prefill: A
     for name, value in (("compile_prefill", compile_prefill), ("skip_guards", skip_guards), ("regional", regional)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_exact(exact: Any, compile: Any, compile_prefill: Any, group: Any, device: torch.device) -> None:
+    """exact=True: specpass's backend compiles every step (its exact pass routes the kernels), on one process."""
+    if not isinstance(exact, bool):
+        raise ValueError(f"exact must be True or False, got {exact!r}")
+    if not exact:
+        return
+    if device.type != "cpu":
+        raise ValueError(f"exact=True runs on the CPU in this version, not on {device.type}: its row-invariant "
+                         "kernels there are the torch-op reference (specpass/kernels/exact.py), whose sums on a GPU "
+                         "are not in a fixed order; run without exact=True on a GPU")
+    if not (compile == "specpass" or isinstance(getattr(compile, "options", None), Options)):
+        raise ValueError(f"exact=True needs compile='specpass' (or a specpass.backend(...)), got {compile!r}: "
+                         "specpass's exact pass is what routes every sum to a row-invariant kernel")
+    if not compile_prefill:
+        raise ValueError("exact=True needs the prefill compiled (compile_prefill=True): an eager prefill adds in "
+                         "cuBLAS's and ATen's orders, which change with the prompt lengths in the batch")
+    if group is not None:
+        raise ValueError("exact=True with group= (tensor parallel) is not supported: the all-reduce adds the ranks' "
+                         "partial sums in an order the collective library chooses by message size, which the "
+                         "rows per step change; run exact mode on one process")
 
 
 def check_ranks_option(group: Any, check_ranks: Any) -> None:

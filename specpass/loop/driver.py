@@ -28,13 +28,13 @@ import torch
 from torch import Tensor
 
 from specpass.loop import runtime
-from specpass.loop.checks import (check_cache_size, check_k, check_models, check_options, check_position,
-                                  check_prompts, check_ranks_option, check_sampling, check_timing, check_tuning,
-                                  device_of, is_int, probe)
+from specpass.loop.checks import (check_cache_size, check_exact, check_k, check_models, check_options,
+                                  check_position, check_prompts, check_ranks_option, check_sampling, check_timing,
+                                  check_tuning, device_of, is_int, probe)
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, pooled_acceptance, price
 from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
 from specpass.loop.protocols import Drafter, Target
-from specpass.loop.runtime import DoneFlags, PhaseTimer, SymbolicBatch, clock, compiler, replayed
+from specpass.loop.runtime import DoneFlags, PhaseTimer, SymbolicBatch, clock, compiler, exact_backend, replayed
 from specpass.loop.shapes import PLAIN, RoundShape, round_shape
 from specpass.loop.steps import Carry, State, Steps, carried, decode_round, prefill_step
 from specpass.loop.tree import TreeShape, depth
@@ -122,6 +122,10 @@ class Decoder:
     regional: compile each repeated block of the models (their decoder layers) once, not once per
       layer and step (`specpass.mark_repeated_blocks`: it marks the models' layers, which run as
       before in eager mode). False compiles every layer inline.
+    exact: every step adds its sums in an order fixed by a row's own sizes, never by the rows run
+      with it (specpass's exact pass: passes/exact.py), so plain and speculative decoding give the
+      target's logits bit for bit alike, at every batch size: the same greedy tokens, and sampling
+      from the same distributions. Needs compile="specpass" (or a specpass backend) and one process.
 
     Decoding, and its parts for benchmarks (every one the same code `generate` runs):
       dec.generate(prompts, max_new_tokens, ...) -> Output     the whole loop, metrics included
@@ -141,11 +145,15 @@ class Decoder:
     def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int | TreeShape = 4, max_batch: int,
                  max_len: int, compile: str | Callable = "specpass", mode: str | None = None,
                  fused_round: bool = False, greedy_drafts: bool = False, compile_prefill: bool = True,
-                 skip_guards: bool = True, group: Any = None, check_ranks: bool = False, regional: bool = True):
+                 skip_guards: bool = True, group: Any = None, check_ranks: bool = False, regional: bool = True,
+                 exact: bool = False):
         check_models(target, drafter)
         check_k(drafter, k if drafter is not None else 0)  # before any cache is allocated (`use_k` below)
         check_options(max_batch, max_len, compile, compile_prefill, skip_guards, regional)
         check_ranks_option(group, check_ranks)
+        check_exact(exact, compile, compile_prefill, group, device_of(target))
+        compile = exact_backend(compile) if exact else compile
+        self.exact = exact
         self.target, self.drafter = target, drafter
         self.max_batch, self.max_len = max_batch, max_len
         self.device = device_of(target)

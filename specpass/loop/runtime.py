@@ -5,6 +5,7 @@ the done flag, the phase timer."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from specpass.compile_backend import default_backend
+from specpass.compile_backend import backend, default_backend
 from specpass.loop import saved_steps
 from specpass.loop.steps import State
 from specpass.options import Options
@@ -50,6 +51,12 @@ def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
         return saved_steps.SavedStep(fn, own_code(name), backend, mode, batch, where, lambda: compiled(fn, name))
 
     return wrap
+
+
+def exact_backend(compile: str | Callable) -> Callable:
+    """compile ("specpass", or a specpass backend: `checks.check_exact`) with the exact pass on."""
+    options = dataclasses.asdict(compile.options) if compile != "specpass" else {}
+    return backend(**{**options, "exact": True, "split_kv": False})
 
 
 def savable(backend: str | Callable) -> bool:
