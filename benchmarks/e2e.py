@@ -10,8 +10,10 @@
 
 Variants, all greedy, on the held-out prompts (checkpoints/prompts.json), no EOS, the same number
 of new tokens per request:
-  plain          the target alone through our loop (K = 0), Inductor, one CUDA graph per token:
-                 the baseline every ratio is against
+  plain          the target alone through our loop (K = 0), Inductor, one CUDA graph per token
+  lean           the lean baseline (benchmarks/lean.py): gpt-fast's decoding, one compiled step per
+                 token and nothing else; the tables' ratios ("vs baseline") are against the faster
+                 of the two, batch size by batch size
   hf-static      transformers' generate with a static cache, compiled the way its docs say
                  (cache_implementation="static": generate compiles the decoding forward with
                  mode="reduce-overhead"; prefill runs eagerly)
@@ -142,6 +144,7 @@ class Bench:
         is reused (its compiled graphs too), so "compile s" is then the new graph's alone."""
         import copy
 
+        from benchmarks.lean import LeanDecoder
         from specpass.loop import Decoder, TreeDrafter, cache_slots
 
         new = self.args.new_tokens
@@ -159,6 +162,9 @@ class Bench:
             if decoders and start - START > self.args.stop_after:  # the first (the reference) always runs
                 print(f"    skipped {variant[0]} K={label(k)}: past --stop-after", file=sys.stderr)
                 continue
+            if compile == "lean" and (variant, len(prompts), max_len) not in self.decoders:
+                self.decoders[variant, len(prompts), max_len] = LeanDecoder(
+                    copy.deepcopy(self.target), max_batch=len(prompts), max_len=max_len, mode=self.cudagraphs)
             if (variant, len(prompts), max_len) not in self.decoders:
                 target, drafter = copy.deepcopy((self.target, self.drafters[drafter] if drafter else None))
                 self.decoders[variant, len(prompts), max_len] = Decoder(
@@ -287,7 +293,7 @@ def sweep(args, save) -> list[dict]:
               f"round {row['round_ms']} ms, compile {row['compile_s']:.0f} s, agree {agree} ({prefix:.2f})",
               file=sys.stderr)
 
-    loops = [] if args.no_plain else [("plain", None, "inductor", True, 0)]
+    loops = [] if args.no_plain else [("plain", None, "inductor", True, 0), ("lean", None, "lean", True, 0)]
     tuned = []
     for drafter, (loop, (compile, fused)) in itertools.product(DRAFTERS, LOOPS.items()):
         if f"{drafter}/{loop}" in args.variants:
@@ -391,14 +397,24 @@ def against_inductor(rows: list[dict], r: dict) -> str:
     return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
+def baseline(rows: list[dict], key: str, by: tuple[str, ...]) -> dict:
+    """Per `by` (batch size, dtype), the faster of plain decoding through the loop and the lean baseline."""
+    base: dict = {}
+    for r in rows:
+        if r["variant"] in ("plain", "lean") and r.get(key):
+            at = tuple(r[k] for k in by)
+            base[at] = max(base.get(at, 0.0), r[key])
+    return base
+
+
 def table(rows: list[dict]) -> str:
-    base = {(r["bs"], r["dtype"]): r["tokens_per_s"] for r in rows if r["variant"] == "plain"}
-    decode = {(r["bs"], r["dtype"]): r["decode_tokens_per_s"] for r in rows if r["variant"] == "plain"}
-    lines = ["| dtype | bs | variant | K | tokens/s | vs plain | vs inductor-apart (per pass) | decode tokens/s | "
-             "vs plain | prefill ms | accepted length | ms/round | draft / verify / accept / catch-up / between ms | "
+    base = baseline(rows, "tokens_per_s", ("bs", "dtype"))
+    decode = baseline(rows, "decode_tokens_per_s", ("bs", "dtype"))
+    lines = ["| dtype | bs | variant | K | tokens/s | vs baseline | vs inductor-apart (per pass) | decode tokens/s | "
+             "vs baseline | prefill ms | accepted length | ms/round | draft / verify / accept / catch-up / between ms | "
              "agree (prefix) | compile s |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ratio = lambda v, of: f"{v / of[r['bs'], r['dtype']]:.2f}x" if (r["bs"], r["dtype"]) in of else "-"  # noqa: E731
-    for r in rows:  # a run with --no-plain has no ratios to plain
+    for r in rows:  # a run with --no-plain has no ratios to the baseline
         phases = "-"
         if r["phase_ms"]:
             phases = " / ".join(f"{r['phase_ms'].get(p, 0):.3f}" for p in ("draft", "verify", "accept", "catch_up", "between"))
@@ -415,30 +431,32 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], out: Path) -> None:
     """tokens/s against batch size, one line per variant (the best K of each), bf16 rows; the right
-    panel divides each by plain decoding at the same batch size (same run)."""
+    panel divides each by the baseline at the same batch size (same run): the faster of plain
+    decoding through the loop and the lean baseline."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r["dtype"] == "bfloat16"]
+    base = baseline(rows, "tokens_per_s", ("bs",))
     best: dict[tuple[str, int], float] = {}
     for r in rows:
         best[r["variant"], r["bs"]] = max(best.get((r["variant"], r["bs"]), 0.0), r["tokens_per_s"])
     fig, (absolute, relative) = plt.subplots(1, 2, figsize=(13, 5))
     for variant in dict.fromkeys(r["variant"] for r in rows):
         points = sorted((bs, tps) for (v, bs), tps in best.items() if v == variant)
-        style = "o--" if variant.startswith(("plain", "hf-")) else "o-"
+        style = "o--" if variant.startswith(("plain", "lean", "hf-")) else "o-"
         bss = [bs for bs, _ in points]
         absolute.plot(bss, [tps for _, tps in points], style, label=variant)
-        relative.plot(bss, [tps / best["plain", bs] for bs, tps in points], style, label=variant)
+        relative.plot(bss, [tps / base[bs,] for bs, tps in points], style, label=variant)
     for ax in (absolute, relative):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (requests)")
         ax.grid(True, which="both", alpha=0.3)
     absolute.set_yscale("log")
     absolute.set_ylabel("tokens/s (greedy, generated tokens)")
-    relative.set_ylabel("tokens/s / plain target decoding")
+    relative.set_ylabel("tokens/s / baseline (the faster of plain and lean decoding)")
     relative.axhline(1.0, color="gray", lw=0.8)
     relative.legend(fontsize=8)
     device = rows[0]["device"] if rows else ""

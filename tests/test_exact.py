@@ -15,6 +15,7 @@ from models import zoo
 from models.drafters import ZooDrafter, adapt
 from specpass import ExactModeError
 from specpass.loop import Decoder, TreeShape
+from specpass.loop.checks import check_exact_k
 from specpass.testing import graph_str
 from tests.test_hf_generate import build as hf_build, eagle3_head
 
@@ -173,7 +174,7 @@ return (exact_layer_norm_default, exact_sum_default_1, exact_logsumexp_default)"
 
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]  # ragged: 3, 9 and 1 tokens
-NEW = 24
+NEW = 16
 EXACT_EAGER = specpass.backend(exact=True, handoff="eager")  # the rewrite without Inductor: exact kernels, fast
 
 
@@ -184,7 +185,7 @@ def zoo_target():
 
 @pytest.fixture(scope="module")
 def zoo_plain(zoo_target):
-    dec = Decoder(zoo_target, None, max_batch=3, max_len=96, compile=EXACT_EAGER, exact=True)
+    dec = Decoder(zoo_target, None, max_batch=3, max_len=64, compile=EXACT_EAGER, exact=True)
     return dec.generate(PROMPTS, NEW).tokens
 
 
@@ -198,11 +199,11 @@ def zoo_drafter(shape, target):
     return head, (TreeShape(2, 3, 6) if shape == "tree" else 4)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
-@pytest.mark.parametrize("shape", ["chain", "tree", "parallel", "block"])
+@pytest.mark.parametrize("shape,fused", [("chain", False), ("chain", True), ("tree", True), ("parallel", True),
+                                         ("block", True)], ids=["chain-apart", "chain", "tree", "parallel", "block"])
 def test_exact_speculative_equals_exact_plain_zoo(zoo_target, zoo_plain, shape, fused):
     drafter, k = zoo_drafter(shape, zoo_target)
-    dec = Decoder(zoo_target, drafter, k=k, max_batch=3, max_len=96, compile=EXACT_EAGER, exact=True, fused_round=fused)
+    dec = Decoder(zoo_target, drafter, k=k, max_batch=3, max_len=64, compile=EXACT_EAGER, exact=True, fused_round=fused)
     assert dec.generate(PROMPTS, NEW).tokens == zoo_plain
     if fused:
         assert dec.generate(PROMPTS[1:2], NEW).tokens == zoo_plain[1:2]  # bs 1
@@ -211,21 +212,20 @@ def test_exact_speculative_equals_exact_plain_zoo(zoo_target, zoo_plain, shape, 
 def test_exact_mode_under_inductor(zoo_target, zoo_plain):
     """compile="specpass": the rewritten steps through Inductor (emulated precision casts), fused chain."""
     drafter, k = zoo_drafter("chain", zoo_target)
-    dec = Decoder(zoo_target, drafter, k=k, max_batch=3, max_len=96, exact=True, fused_round=True)
+    dec = Decoder(zoo_target, drafter, k=k, max_batch=3, max_len=64, exact=True, fused_round=True)
     assert dec.generate(PROMPTS, NEW).tokens == zoo_plain
 
 
-@pytest.mark.parametrize("assistant", ["standalone", "tree"])
-def test_exact_speculative_equals_exact_plain_transformers(assistant):
+def test_exact_speculative_equals_exact_plain_transformers():
+    """An EAGLE-3 head's tree rounds on a transformers Llama, left-padded ragged prompts."""
     model = hf_build("llama").to(torch.bfloat16)
     ids = torch.tensor([[0, 0, 0, 5, 9, 2, 7], [3, 14, 15, 9, 26, 5, 35]])
     mask = (ids != 0) | (torch.arange(7) >= 3)
-    draft = hf_build("llama", noise=0.1).to(torch.bfloat16) if assistant == "standalone" \
-        else eagle3_head(model).to(torch.bfloat16)  # the tree's
-    k = TreeShape(2, 3, 6) if assistant == "tree" else 4
     run = dict(attention_mask=mask, max_new_tokens=NEW, compile=EXACT_EAGER, exact=True)
     plain = specpass.generate(model, ids, **run)
-    assert torch.equal(specpass.generate(model, ids, assistant_model=draft, num_assistant_tokens=k, **run), plain)
+    tree = specpass.generate(model, ids, assistant_model=eagle3_head(model).to(torch.bfloat16),
+                             num_assistant_tokens=TreeShape(2, 3, 6), **run)
+    assert torch.equal(tree, plain)
 
 
 def test_exact_mode_makes_the_rows_bits_independent_of_the_row_count():
@@ -247,7 +247,7 @@ def test_exact_mode_makes_the_rows_bits_independent_of_the_row_count():
 
 
 def test_bad_exact_settings_are_refused_with_the_reason(zoo_target):
-    kw = dict(max_batch=3, max_len=96)
+    kw = dict(max_batch=3, max_len=64)
     for compile in ("eager", "inductor"):
         with pytest.raises(ValueError, match="exact=True needs compile='specpass'"):
             Decoder(zoo_target, None, compile=compile, exact=True, **kw)
@@ -257,5 +257,8 @@ def test_bad_exact_settings_are_refused_with_the_reason(zoo_target):
         Decoder(zoo_target, None, exact=True, compile_prefill=False, **kw)
     with pytest.raises(ValueError, match="exact=True with group= .tensor parallel. is not supported: the all-reduce"):
         Decoder(zoo_target, None, exact=True, group=object(), **kw)
-    with pytest.raises(ValueError, match="exact=True runs on the CPU in this version, not on meta"):
+    with pytest.raises(ValueError, match=r"exact=True with tree rounds \(tree 2,3,6\) runs on CPU only"):
+        check_exact_k(True, TreeShape(2, 3, 6), torch.device("cuda"))  # the CUDA kernel's slot blocks
+    check_exact_k(True, TreeShape(2, 3, 6), torch.device("cpu"))
+    with pytest.raises(ValueError, match="exact=True runs on CPU and CUDA, not on meta"):
         Decoder(zoo.build("tiny-llama").to("meta"), None, exact=True, **kw)

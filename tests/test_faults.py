@@ -83,7 +83,10 @@ def reporting_twice(run):
     return bad
 
 
-@pytest.mark.parametrize("name", [name for name, _ in pipeline.PASSES])
+ON_BY_DEFAULT = [name for name, _ in pipeline.PASSES if getattr(specpass.Options(), name)]  # exact: below
+
+
+@pytest.mark.parametrize("name", ON_BY_DEFAULT)
 @pytest.mark.parametrize("fault,cause", [
     (lambda run: raising, "RuntimeError: injected failure"),
     (shrinking, "outputs changed"),
@@ -101,6 +104,19 @@ def test_a_failing_pass_is_dropped_and_the_others_still_apply(monkeypatch, name,
     result = specpass.rewrite(specpass.capture(step, tokens, positions)).report
     assert result.errors == [message]
     assert {f.pass_name for f in result.rewrites} == fired - {name}
+
+
+@pytest.mark.parametrize("fault,cause", [(lambda run: raising, "RuntimeError: injected failure"),
+                                         (shrinking, "outputs changed")])
+def test_in_exact_mode_a_failing_exact_pass_refuses_the_step_instead(monkeypatch, fault, cause):
+    """The exact pass dropped would leave sums in row-dependent orders: the step is refused, not run."""
+    monkeypatch.setattr(pipeline, "PASSES", [(n, fault(run) if n == "exact" else run) for n, run in pipeline.PASSES])
+    _, step, tokens, positions = _step()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=f"exact mode cannot make .* row-invariant: pass exact failed .*{cause}") as exc:
+        with torch.no_grad():
+            torch.compile(step, backend=specpass.backend(exact=True, handoff="eager"))(tokens, positions)
+    assert isinstance(exc.value.__cause__ or exc.value.inner_exception, specpass.ExactModeError)
 
 
 def test_a_failing_rule_drops_the_live_row_pass(monkeypatch):

@@ -17,9 +17,11 @@ linear with a bias: the product, then the sum).
     y = exact_logsumexp(x, dims, keepdim)
     o = exact_attention(q, k, v, mask, is_causal, scale, enable_gqa)   # SDPA's layout and meaning
 
-The implementations here are the reference in torch ops, on every device: a matmul in tiles of
-`TILE` rows (a row is computed by one matmul call of one shape, whatever M is), every other sum a
-sequential scan (`cumsum`: one element after the other, in one accumulator per output).
+The implementations here are the reference in torch ops, which every device but CUDA runs: a
+matmul in tiles of `TILE` rows (a row is computed by one matmul call of one shape, whatever M is),
+every other sum a sequential scan (`cumsum`: one element after the other, in one accumulator per
+output). On CUDA triton_exact.py, imported on first use: one kernel configuration per op, whatever
+the rows (its docstring; attention there is exact for rows that see their keys at the same slots).
 """
 
 from __future__ import annotations
@@ -200,3 +202,76 @@ def exact_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
       scale: float | None = None, enable_gqa: bool = False) -> Tensor:
     return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+# CUDA: triton_exact.py's kernels, imported on first use.
+def _triton():
+    from specpass.kernels import triton_exact
+    return triton_exact
+
+
+@exact_linear.register_kernel("cuda")
+def _(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return _triton().linear(x, weight, bias)
+
+
+@exact_matmul.register_kernel("cuda")
+def _(a: Tensor, b: Tensor) -> Tensor:
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    a3 = a.to(dtype).expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
+    b3 = b.to(dtype).expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
+    out = torch.stack([_triton().linear(x, w.t(), None) for x, w in zip(a3, b3)]) if len(a3) else \
+        a3.new_empty(0, a.shape[-2], b.shape[-1])
+    return out.reshape(*batch, a.shape[-2], b.shape[-1])
+
+
+def _reduced(x: Tensor, dims: list[int], keepdim: bool, mode: int, dtype: torch.dtype) -> Tensor:
+    flat, kept = _flat_rows(x, dims)
+    out = _triton().rows(flat, flat.shape[-1], mode, dtype).reshape(flat.shape[:-1])
+    return out.reshape([x.shape[d] if d in kept else 1 for d in range(x.dim())]) if keepdim else out
+
+
+@exact_sum.register_kernel("cuda")
+def _(x: Tensor, dims: list[int], keepdim: bool = False, mean: bool = False,
+      dtype: torch.dtype | None = None) -> Tensor:
+    t = _triton()
+    return _reduced(x, dims, keepdim, t.MEAN if mean else t.SUM, dtype or x.dtype)
+
+
+@exact_logsumexp.register_kernel("cuda")
+def _(x: Tensor, dims: list[int], keepdim: bool = False) -> Tensor:
+    return _reduced(x, dims, keepdim, _triton().LOGSUMEXP, x.dtype)
+
+
+def _normalize(x: Tensor, shape: list[int], mode: int, weight: Tensor | None, bias: Tensor | None,
+               eps: float) -> Tensor:
+    n = math.prod(shape)
+    flat = [t.contiguous().view(-1) if t is not None else None for t in (weight, bias)]
+    return _triton().rows(x, n, mode, x.dtype, *flat, eps).view(x.shape)
+
+
+@exact_rms_norm.register_kernel("cuda")
+def _(x: Tensor, shape: list[int], weight: Tensor | None = None, eps: float | None = None) -> Tensor:
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    return _normalize(x, shape, _triton().RMS_NORM, weight, None, eps)
+
+
+@exact_layer_norm.register_kernel("cuda")
+def _(x: Tensor, shape: list[int], weight: Tensor | None = None, bias: Tensor | None = None,
+      eps: float = 1e-5) -> Tensor:
+    return _normalize(x, shape, _triton().LAYER_NORM, weight, bias, eps)
+
+
+@exact_softmax.register_kernel("cuda")
+def _(x: Tensor, dim: int, log: bool = False, dtype: torch.dtype | None = None) -> Tensor:
+    t = _triton()
+    last = x.movedim(dim, -1).contiguous()
+    y = t.rows(last, last.shape[-1], t.LOG_SOFTMAX if log else t.SOFTMAX, dtype or x.dtype).view(last.shape)
+    return y.movedim(-1, dim).contiguous()
+
+
+@exact_attention.register_kernel("cuda")
+def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
+      scale: float | None = None, enable_gqa: bool = False) -> Tensor:
+    return _triton().attention(q, k, v, mask, is_causal, scale)

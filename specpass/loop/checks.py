@@ -56,10 +56,9 @@ def check_exact(exact: Any, compile: Any, compile_prefill: Any, group: Any, devi
         raise ValueError(f"exact must be True or False, got {exact!r}")
     if not exact:
         return
-    if device.type != "cpu":
-        raise ValueError(f"exact=True runs on the CPU in this version, not on {device.type}: its row-invariant "
-                         "kernels there are the torch-op reference (specpass/kernels/exact.py), whose sums on a GPU "
-                         "are not in a fixed order; run without exact=True on a GPU")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"exact=True runs on CPU and CUDA, not on {device.type}: its row-invariant kernels are "
+                         "written for those two")
     if not (compile == "specpass" or isinstance(getattr(compile, "options", None), Options)):
         raise ValueError(f"exact=True needs compile='specpass' (or a specpass.backend(...)), got {compile!r}: "
                          "specpass's exact pass is what routes every sum to a row-invariant kernel")
@@ -70,6 +69,15 @@ def check_exact(exact: Any, compile: Any, compile_prefill: Any, group: Any, devi
         raise ValueError("exact=True with group= (tensor parallel) is not supported: the all-reduce adds the ranks' "
                          "partial sums in an order the collective library chooses by message size, which the "
                          "rows per step change; run exact mode on one process")
+
+
+def check_exact_k(exact: bool, k: Any, device: torch.device) -> None:
+    """Exact tree rounds on CUDA: a node's path sits at other slots than a chain's keys, which the
+    CUDA attention kernel adds in blocks of slots (kernels/triton_exact.py); on CPU it adds slot by slot."""
+    if exact and isinstance(k, TreeShape) and device.type == "cuda":
+        raise ValueError(f"exact=True with tree rounds ({k}) runs on CPU only in this version: the CUDA attention "
+                         "kernel adds a tree node's path in another order than a chain's; use chain, block or "
+                         "parallel rounds on the GPU, or exact=False")
 
 
 def check_ranks_option(group: Any, check_ranks: Any) -> None:

@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from specpass.loop import runtime
-from specpass.loop.checks import (check_cache_size, check_exact, check_k, check_models, check_options,
-                                  check_position, check_prompts, check_ranks_option, check_sampling, check_timing,
+from specpass.loop.checks import (check_cache_size, check_exact, check_exact_k, check_k, check_models,
+                                  check_options, check_position, check_prompts, check_ranks_option, check_sampling, check_timing,
                                   check_tuning, device_of, is_int, probe)
 from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, pooled_acceptance, price
 from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
@@ -214,6 +214,7 @@ class Decoder:
         rounds): the steps with K bound, compiled (lazily) once per K and kept, so switching back
         compiles nothing."""
         check_k(self.drafter, k)
+        check_exact_k(self.exact, k, self.device)
         if k not in self._bound:
             self._bound[k] = self._bind(k)
         self._k = k
