@@ -6,6 +6,8 @@
     sampling          sampling reads of the logits, and the sample op
     verify_attention  the verify's attention alone, per kernel (GPU only)
     e2e               tokens/s of the shipped pair, every loop variant side by side
+    lean              the lean plain baseline e2e measures beside plain decoding (a module, no main)
+    exact             exact mode on a GPU: its kernels' row invariance, agreement, cost
     hf_generate       specpass.generate on transformers models against transformers' generate
     hf_sweep          the live-row pass on every causal LM in transformers (CPU)
     scale             the loop at Llama-3-8B shape: rounds, floors, attention, tune_k (a package)
