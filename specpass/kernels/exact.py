@@ -40,12 +40,18 @@ def _sequential_sum(x: Tensor, dim: int) -> Tensor:
     return x.cumsum(dim).select(dim, -1).contiguous()
 
 
-def _flat_rows(x: Tensor, dims: list[int]) -> tuple[Tensor, list[int]]:
-    """x with `dims` moved last and flattened: [..., n]; and the kept sizes."""
+def _reduced_shape(x: Tensor, dims: list[int], keepdim: bool) -> list[int]:
+    """The shape of x reduced over dims (none: all), as torch's sum gives it."""
+    reduced = {d % x.dim() for d in dims} if dims else set(range(x.dim()))
+    return [1 if d in reduced else s for d, s in enumerate(x.shape) if keepdim or d not in reduced]
+
+
+def _flat_rows(x: Tensor, dims: list[int]) -> Tensor:
+    """x with `dims` (none: all) moved last and flattened: [..., n]."""
     dims = sorted(d % x.dim() for d in dims) if dims else list(range(x.dim()))
     kept = [d for d in range(x.dim()) if d not in dims]
     moved = x.permute(*kept, *dims)
-    return moved.reshape(*[x.shape[d] for d in kept], -1), kept
+    return moved.reshape(*[x.shape[d] for d in kept], -1)
 
 
 @torch.library.custom_op("specpass::exact_linear", mutates_args=())
@@ -81,21 +87,17 @@ def _(a: Tensor, b: Tensor) -> Tensor:
 @torch.library.custom_op("specpass::exact_sum", mutates_args=())
 def exact_sum(x: Tensor, dims: list[int], keepdim: bool = False, mean: bool = False,
               dtype: torch.dtype | None = None) -> Tensor:
-    flat, kept = _flat_rows(x.float(), dims)
+    flat = _flat_rows(x.float(), dims)
     out = _sequential_sum(flat, -1)
     if mean:
         out = out / flat.shape[-1]
-    if keepdim:
-        out = out.reshape([x.shape[d] if d in kept else 1 for d in range(x.dim())])
-    return out.to(dtype or x.dtype).contiguous()
+    return out.reshape(_reduced_shape(x, dims, keepdim)).to(dtype or x.dtype).contiguous()
 
 
 @exact_sum.register_fake
 def _(x: Tensor, dims: list[int], keepdim: bool = False, mean: bool = False,
       dtype: torch.dtype | None = None) -> Tensor:
-    reduced = {d % x.dim() for d in dims} if dims else set(range(x.dim()))
-    shape = [1 if d in reduced else s for d, s in enumerate(x.shape) if keepdim or d not in reduced]
-    return x.new_empty(shape, dtype=dtype or x.dtype)
+    return x.new_empty(_reduced_shape(x, dims, keepdim), dtype=dtype or x.dtype)
 
 
 def _normalized(x: Tensor, ndim: int) -> tuple[Tensor, int]:
@@ -158,18 +160,15 @@ def _(x: Tensor, dim: int, log: bool = False, dtype: torch.dtype | None = None) 
 
 @torch.library.custom_op("specpass::exact_logsumexp", mutates_args=())
 def exact_logsumexp(x: Tensor, dims: list[int], keepdim: bool = False) -> Tensor:
-    flat, kept = _flat_rows(x.float(), dims)
+    flat = _flat_rows(x.float(), dims)
     top = _stable_max(flat, -1)
     out = (torch.log(_sequential_sum(torch.exp(flat - top), -1)[..., None]) + top)[..., 0]
-    if keepdim:
-        out = out.reshape([x.shape[d] if d in kept else 1 for d in range(x.dim())])
-    return out.to(x.dtype).contiguous()
+    return out.reshape(_reduced_shape(x, dims, keepdim)).to(x.dtype).contiguous()
 
 
 @exact_logsumexp.register_fake
 def _(x: Tensor, dims: list[int], keepdim: bool = False) -> Tensor:
-    reduced = {d % x.dim() for d in dims} if dims else set(range(x.dim()))
-    return x.new_empty([1 if d in reduced else s for d, s in enumerate(x.shape) if keepdim or d not in reduced])
+    return x.new_empty(_reduced_shape(x, dims, keepdim))
 
 
 @torch.library.custom_op("specpass::exact_attention", mutates_args=())
@@ -227,9 +226,8 @@ def _(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _reduced(x: Tensor, dims: list[int], keepdim: bool, mode: int, dtype: torch.dtype) -> Tensor:
-    flat, kept = _flat_rows(x, dims)
-    out = _triton().rows(flat, flat.shape[-1], mode, dtype).reshape(flat.shape[:-1])
-    return out.reshape([x.shape[d] if d in kept else 1 for d in range(x.dim())]) if keepdim else out
+    flat = _flat_rows(x, dims)
+    return _triton().rows(flat, flat.shape[-1], mode, dtype).reshape(_reduced_shape(x, dims, keepdim))
 
 
 @exact_sum.register_kernel("cuda")
