@@ -19,7 +19,8 @@ from models import zoo
 from specpass.capture import to_aten_ir
 from models.checkpoint import save
 from models.drafters import ZooDrafter
-from specpass.loop import Decoder, choose_k, expected_accept_length, next_k_to_time, price, runtime
+from specpass.loop import Decoder, Metrics, choose_k, expected_accept_length, next_k_to_time, price, runtime
+from specpass.loop.cost import batch_busy
 from specpass.loop.steps import first_true
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -500,6 +501,27 @@ def test_tune_k_searches_until_its_k_and_neighbours_are_timed(target, monkeypatc
     assert list(choice.round_ms) == [2, 4, 5] and choice.k == dec.k == 4 and not choice.verified
     dec, choice = tune(max_timings=0)
     assert list(choice.round_ms) == [2, 4] and choice.k == 5 and not choice.verified  # the cost model's K, untimed
+
+
+def test_tune_k_counts_the_rounds_done_requests_idle(target, monkeypatch):
+    # A chain whose requests finish 10 rounds apart idles 30% of the batch's request-rounds; a tree
+    # whose requests finish together idles none. Per active request the chain is faster (3.7 tokens
+    # in 1.3 ms against 3.7 in 1.5), for the batch the tree is: 2.85 x 0.7 < 2.47.
+    tree = specpass.TreeShape(2, 3, 6)
+
+    def timed(self, prompts, short, long, repeats, sampling):
+        busy, ms = (1.0, 1.5) if self.k == tree else (0.7, 1.0 + 0.1 * self.k)
+        rounds = 10
+        return ms, Metrics(new_tokens=0, rounds=rounds, seconds=1.0, prefill_seconds=0.0, accept_length=0.0,
+                           acceptance=[0.9] * 3, phase_ms={}, request_rounds=round(busy * rounds * len(prompts)))
+
+    monkeypatch.setattr(Decoder, "_round_ms", timed)
+    dec = Decoder(target, ZooDrafter(zoo.build("tiny-llama-eagle3", seed=3)), k=1, max_batch=len(PROMPTS),
+                  max_len=MAX_LEN + 6, compile="eager")
+    choice = dec.tune_k(PROMPTS, (1, 3), acceptance=[0.9] * 3, new_tokens=(2, 6), repeats=1, trees=[tree])
+    assert choice.k == dec.k == tree
+    assert choice.tokens_per_ms[3] == pytest.approx(3.7 * 0.7 / 1.3) and choice.tokens_per_ms[tree] == pytest.approx(3.7 / 1.5)
+    assert batch_busy([Metrics(0, 10, 1.0, 0.0, 0.0, [], {}, request_rounds=21)], [3]) == pytest.approx(0.7)
 
 
 def test_tune_k_measures_acceptance_at_the_largest_k(target):

@@ -203,6 +203,21 @@ def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bo
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
+HIDDEN_BIAS = -1e3  # an additive mask value below it hides its slot: exp of it underflows to 0 in fp32
+
+
+def seen_slots(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask [..., T, S] (bool: True = seen; or additive) -> (slots [..., T, S] int32: each row's seen
+    slots in slot order, then anything; count [..., T] int32: how many)."""
+    seen = mask if mask.dtype == torch.bool else mask > HIDDEN_BIAS
+    order = seen.cumsum(-1, dtype=torch.int32)
+    S = mask.shape[-1]
+    slots = torch.zeros(*mask.shape[:-1], S + 1, dtype=torch.int32, device=mask.device)
+    index = torch.where(seen, order - 1, S).long()  # the hidden slots all go to the dropped column S
+    slots.scatter_(-1, index, torch.arange(S, dtype=torch.int32, device=mask.device).expand(mask.shape))
+    return slots[..., :S], order[..., -1].contiguous()
+
+
 # CUDA: triton_exact.py's kernels, imported on first use.
 def _triton():
     from specpass.kernels import triton_exact
@@ -220,9 +235,7 @@ def _(a: Tensor, b: Tensor) -> Tensor:
     dtype = torch.promote_types(a.dtype, b.dtype)
     a3 = a.to(dtype).expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
     b3 = b.to(dtype).expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-    out = torch.stack([_triton().linear(x, w.t(), None) for x, w in zip(a3, b3)]) if len(a3) else \
-        a3.new_empty(0, a.shape[-2], b.shape[-1])
-    return out.reshape(*batch, a.shape[-2], b.shape[-1])
+    return _triton().matmul(a3, b3.transpose(-1, -2)).reshape(*batch, a.shape[-2], b.shape[-1])
 
 
 def _reduced(x: Tensor, dims: list[int], keepdim: bool, mode: int, dtype: torch.dtype) -> Tensor:
@@ -272,4 +285,4 @@ def _(x: Tensor, dim: int, log: bool = False, dtype: torch.dtype | None = None) 
 @exact_attention.register_kernel("cuda")
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
       scale: float | None = None, enable_gqa: bool = False) -> Tensor:
-    return _triton().attention(q, k, v, mask, is_causal, scale)
+    return _triton().attention(q, k, v, mask, is_causal, scale, seen_slots)

@@ -71,15 +71,6 @@ def check_exact(exact: Any, compile: Any, compile_prefill: Any, group: Any, devi
                          "rows per step change; run exact mode on one process")
 
 
-def check_exact_k(exact: bool, k: Any, device: torch.device) -> None:
-    """Exact tree rounds on CUDA: a node's path sits at other slots than a chain's keys, which the
-    CUDA attention kernel adds in blocks of slots (kernels/triton_exact.py); on CPU it adds slot by slot."""
-    if exact and isinstance(k, TreeShape) and device.type == "cuda":
-        raise ValueError(f"exact=True with tree rounds ({k}) runs on CPU only in this version: the CUDA attention "
-                         "kernel adds a tree node's path in another order than a chain's; use chain, block or "
-                         "parallel rounds on the GPU, or exact=False")
-
-
 def check_ranks_option(group: Any, check_ranks: Any) -> None:
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be True or False, got {check_ranks!r}")

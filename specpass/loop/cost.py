@@ -16,7 +16,8 @@ class KChoice:
     k: Any  # the K (0: the drafter off) or TreeShape the decoder runs from now on
     round_ms: dict[Any, float]  # K -> measured ms per round, in the order timed
     acceptance: list[float]  # the chain's, per draft position 1..N: its candidates are K = 1..N that fit the caches
-    tokens_per_ms: dict[Any, float]  # K -> tokens per ms per request: the chain's priced, plain's and trees' measured
+    tokens_per_ms: dict[Any, float]  # K -> tokens per ms per request of the batch: the chain's priced (the timed K
+    # with the rounds its done requests idled counted, `batch_busy`), plain's and trees' measured
     why: dict[Any, str]  # K -> why it was timed: given in `ks`, the search's reason, off, a tree shape
     verified: bool  # the chain's K and its neighbours were all timed (False: max_timings stopped the search)
     own_acceptance: dict[Any, list[float]] = dataclasses.field(default_factory=dict)  # tree, or K of a drafter
@@ -29,6 +30,13 @@ def pooled_acceptance(runs: Sequence[Any]) -> list[float]:
     total = max(sum(m.request_rounds for m in runs), 1)
     return [sum(a * m.request_rounds for a, m in zip(column, runs)) / total
             for column in zip(*(m.acceptance for m in runs))]
+
+
+def batch_busy(runs: Sequence[Any], requests: Sequence[int]) -> float:
+    """The fraction of a batch's request-rounds in which the request was still decoding, over
+    several runs (`Metrics`, each of requests[i] requests): a generate runs until its last request
+    is done, so a round shape's tokens per ms for the batch are its accepted length times this."""
+    return sum(m.request_rounds for m in runs) / max(sum(m.rounds * b for m, b in zip(runs, requests)), 1)
 
 
 def expected_accept_length(acceptance: Sequence[float]) -> float:

@@ -28,10 +28,11 @@ import torch
 from torch import Tensor
 
 from specpass.loop import runtime
-from specpass.loop.checks import (check_cache_size, check_exact, check_exact_k, check_k, check_models,
+from specpass.loop.checks import (check_cache_size, check_exact, check_k, check_models,
                                   check_options, check_position, check_prompts, check_ranks_option, check_sampling, check_timing,
                                   check_tuning, device_of, is_int, probe)
-from specpass.loop.cost import KChoice, choose_k, expected_accept_length, next_k_to_time, pooled_acceptance, price
+from specpass.loop.cost import (KChoice, batch_busy, choose_k, expected_accept_length, next_k_to_time,
+                                pooled_acceptance, price)
 from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
 from specpass.loop.protocols import Drafter, Target
 from specpass.loop.runtime import DoneFlags, PhaseTimer, SymbolicBatch, clock, compiler, exact_backend, replayed
@@ -214,7 +215,6 @@ class Decoder:
         rounds): the steps with K bound, compiled (lazily) once per K and kept, so switching back
         compiles nothing."""
         check_k(self.drafter, k)
-        check_exact_k(self.exact, k, self.device)
         if k not in self._bound:
             self._bound[k] = self._bind(k)
         self._k = k
@@ -337,6 +337,12 @@ class Decoder:
         graphs), so the prefill and compiling cancel -> (ms, the acceptance per draft position of
         the last long generate). sampling: generate's temperature / top_k / top_p / seed (default
         greedy), as the traffic is served: a sampled round costs more, and accepts less."""
+        ms, long_run = self._round_ms(prompts, short, long, repeats, sampling)
+        return ms, long_run.acceptance
+
+    def _round_ms(self, prompts: Sequence[Sequence[int]], short: int, long: int, repeats: int,
+                  sampling: Mapping[str, Any] | None) -> tuple[float, Metrics]:
+        """round_ms -> (ms, the last long generate's Metrics)."""
         check_timing(short, long, repeats)
         sampling = check_sampling(sampling)
         self.generate(prompts, short, **sampling)  # compiles; on a GPU, records the CUDA graphs
@@ -344,7 +350,7 @@ class Decoder:
         for _ in range(repeats):
             a, b = (self.generate(prompts, n, **sampling).metrics for n in (short, long))
             samples.append((b.seconds - b.prefill_seconds - a.seconds + a.prefill_seconds) / (b.rounds - a.rounds))
-        return 1e3 * statistics.median(samples), b.acceptance
+        return 1e3 * statistics.median(samples), b
 
     def tune_k(self, prompts: Sequence[Sequence[int]], ks: Sequence[int] = (2, 6), *,
                acceptance: Sequence[float] | None = None, new_tokens: tuple[int, int] = (8, 40),
@@ -364,6 +370,11 @@ class Decoder:
         or a neighbour K +- 1 is untimed, time the one `next_k_to_time` names and price again, at
         most `max_timings` times; so the chosen K is measured, and better than its measured
         neighbours.
+
+        A batch runs until its last request is done, so a K's measured tokens per ms count the
+        rounds its finished requests idle (`batch_busy` of its long generates: a round shape whose
+        acceptance varies more across requests idles more); the chain's search prices the untimed K
+        without it, and the choice is the best timed K.
 
         Then, against that K's tokens per ms: plain decoding (off=True), timed (a round emits one
         token), and each shape of `trees` (e.g. `specpass.loop.TREES`), timed with its accepted length
@@ -404,14 +415,14 @@ class Decoder:
 
         def time_k(k: int) -> tuple[float, list[float]]:
             self.use_k(k)
-            ms, measured = self.round_ms(batches[0], short, long, repeats, sampling)
-            if len(batches) > 1:
-                measured = pooled_acceptance([self.generate(batch, long, **sampling).metrics for batch in batches])
+            ms, run = self._round_ms(batches[0], short, long, repeats, sampling)
+            runs = [self.generate(batch, long, **sampling).metrics for batch in batches] if len(batches) > 1 else [run]
+            busy[k] = batch_busy(runs, [len(batch) for batch in batches])
             if on_timed is not None:
                 on_timed(k, ms)
-            return ms, measured
+            return ms, pooled_acceptance(runs) if len(runs) > 1 else run.acceptance
 
-        round_ms, why, measured = {}, {}, {}
+        round_ms, why, measured, busy = {}, {}, {}, {}
         for k in timed:
             round_ms[k], measured[k] = time_k(k)
             why[k] = "given"
@@ -424,16 +435,19 @@ class Decoder:
                 why[k] = "priced best" if k == best else f"neighbour of K {best}, priced best"
                 round_ms[k], _ = time_k(k)
             verified = k is None
-            rates = {k: expected_accept_length(acceptance[:k]) / ms for k, ms in price(round_ms, len(candidates)).items()}
+            rates = {k: expected_accept_length(acceptance[:k]) * busy.get(k, 1.0) / ms
+                     for k, ms in price(round_ms, len(candidates)).items()}
             chosen = choose_k(round_ms, candidates)
+            if verified:  # the priced best and its neighbours were timed: the best of the timed
+                chosen = max((k for k in round_ms if k in rates), key=rates.get)
         else:  # each K drafts its own tokens (a DFlash block): each timed K priced with its own acceptance
             acceptance = measured[timed[-1]]
-            rates = {k: expected_accept_length(measured[k]) / round_ms[k] for k in timed}
+            rates = {k: expected_accept_length(measured[k]) * busy[k] / round_ms[k] for k in timed}
             chosen, verified = max(rates, key=rates.get), True
         for k in [0] * off + list(trees):
             round_ms[k], per_depth[k] = time_k(k)
             why[k] = "the drafter off: plain decoding" if k == 0 else "a tree shape"
-            rates[k] = expected_accept_length(per_depth[k]) / round_ms[k]
+            rates[k] = expected_accept_length(per_depth[k]) * busy[k] / round_ms[k]
             if rates[k] > rates[chosen]:
                 chosen = k
         self.use_k(chosen)
