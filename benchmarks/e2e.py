@@ -170,7 +170,7 @@ class Bench:
                 self.decoders[variant, len(prompts), max_len] = Decoder(
                     target, drafter, k=self.args.k if k == TUNED else k, max_batch=len(prompts), max_len=max_len,
                     compile=compile, mode=self.cudagraphs, fused_round=fused,
-                    greedy_drafts=bool(greedy_drafts and greedy_drafts[0]))
+                    greedy_drafts=bool(greedy_drafts and greedy_drafts[0]), regional=not self.args.inline)
             decoders[variant] = decoder = self.decoders[variant, len(prompts), max_len]
             if k == TUNED:  # the loop's own choice, timed on these prompts (the GPU its own while it times)
                 with harness.exclusive(self.args.gpu_lock):
@@ -497,6 +497,9 @@ def main() -> None:
     all_variants = ["hf-static", "hf-assisted"] + [f"{d}/{loop}" for d in DRAFTERS for loop in LOOPS]
     parser.add_argument("--variants", default=",".join(all_variants), type=lambda s: s.split(","),
                         help=f"comma-separated, of {all_variants} (plain runs too, unless --no-plain)")
+    parser.add_argument("--inline", action="store_true",
+                        help="compile every layer inline in each step (Decoder(regional=False)): a layer's residual "
+                             "add fuses with the next layer's norm, at more compile time")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip plain decoding in the greedy sweep (agree then compares with the first variant)")
     parser.add_argument("--trees", default=[], type=harness.tree_shapes, metavar="TOPK,STEPS,TOKENS;...",

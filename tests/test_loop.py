@@ -5,6 +5,7 @@ benchmark times). fp32, CPU, tiny zoo models."""
 import re
 
 import pytest
+import torch
 
 from models import zoo
 from models.drafters import ZooDrafter, adapt
@@ -130,6 +131,24 @@ def test_start_and_rounds_give_generate_s_tokens(target, drafter, compile):
         assert state.done.all() and state.count.tolist()[:3] == [len(t) for t in out.tokens]
         assert [row[:n] for row, n in zip(state.out.tolist(), state.count.tolist())][:3] == out.tokens
         assert dec.rounds(run, 0) == run
+
+
+def test_a_fused_round_keeps_the_state_in_its_own_static_buffers(target):
+    """What lets a CUDA graph replay without copying the state in or cloning it out: the fused
+    round's state and carry are the same tensors from round to round, marked static, updated in
+    place, and the tokens are those of steps apart (which return new tensors)."""
+    fused = Decoder(target, eagle(), k=3, max_batch=4, max_len=MAX_LEN, compile="eager", fused_round=True)
+    first = fused.start(PROMPTS, NEW)
+    one = fused.rounds(first, 1)
+    counts = one.state.count.tolist()
+    two = fused.rounds(one, 2)
+    buffers = [*one.state, *[t for t in one.carry if isinstance(t, torch.Tensor)]]
+    assert all(a is b for a, b in zip(buffers, [*two.state, *[t for t in two.carry if isinstance(t, torch.Tensor)]]))
+    assert not any(a is b for a, b in zip(first.state, one.state))  # the prefill's state was copied in
+    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in buffers)
+    assert one.state.count.tolist() != counts  # two more rounds wrote over the first one's state
+    apart = Decoder(target, eagle(), k=3, max_batch=4, max_len=MAX_LEN, compile="eager", fused_round=False)
+    assert fused.generate(PROMPTS, NEW).tokens == apart.generate(PROMPTS, NEW).tokens
 
 
 def test_rounds_refuses_a_run_started_at_another_k(target):

@@ -35,9 +35,10 @@ from specpass.loop.cost import (KChoice, batch_busy, choose_k, expected_accept_l
                                 pooled_acceptance, price)
 from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
 from specpass.loop.protocols import Drafter, Target
-from specpass.loop.runtime import DoneFlags, PhaseTimer, SymbolicBatch, clock, compiler, exact_backend, replayed
+from specpass.loop.runtime import (DoneFlags, InPlaceRound, PhaseTimer, SymbolicBatch, clock, compiler, exact_backend,
+                                   replayed)
 from specpass.loop.shapes import PLAIN, RoundShape, round_shape
-from specpass.loop.steps import Carry, State, Steps, carried, decode_round, prefill_step
+from specpass.loop.steps import Carry, State, Steps, carried, decode_round, decode_round_in_place, prefill_step
 from specpass.loop.tree import TreeShape, depth
 from specpass.repeated_blocks import mark_repeated_blocks
 from specpass.sampling import Params, per_request
@@ -74,7 +75,9 @@ class Output:
 
 class Run(NamedTuple):
     """A decoding in progress (`Decoder.start`, `Decoder.rounds`), on the device: request b's
-    tokens so far are state.out[b, :state.count[b]]."""
+    tokens so far are state.out[b, :state.count[b]]. After a fused round its state and carry are
+    the round's own buffers (`runtime.InPlaceRound`): the next run at that K and batch size
+    overwrites them; clone what must outlive it."""
 
     state: State
     carry: Carry  # what the last catch-up handed the next round
@@ -224,11 +227,14 @@ class Decoder:
         shape = round_shape(self.drafter, k)
         steps = shape.bind(self.target, self.drafter, k, sampled, self.max_len)
         if self.fused_round:
-            apart, run_round = None, self._wrap(functools.partial(decode_round, steps), "decode_round")
+            apart = None
+            run_round = InPlaceRound(self._wrap(functools.partial(decode_round_in_place, steps), "decode_round"),
+                                     self.cudagraphs)
         else:  # `carried` moves nothing: no graph
             apart = Steps(*(s if s is None or s is carried else self._wrap(s, name)
                             for name, s in zip(Steps._fields, steps)))
             run_round = functools.partial(decode_round, apart)
+            run_round = replayed(run_round) if self.cudagraphs else run_round
         # Prompt lengths vary: one graph with a symbolic length, no CUDA graphs (one would be
         # recorded per length, for one call of large kernels per generate).
         # A shape whose prefill does not read K (the chain's) compiles it once for every K.
@@ -236,7 +242,7 @@ class Decoder:
         hidden_kind = None if shape is PLAIN else self._hidden_kind
         prefill = shared.prefill if shared else self._wrap_prefill(functools.partial(
             prefill_step, self.target, hidden_kind, shape.prefill_catch_up(self.drafter, k, sampled)), "prefill")
-        return Bound(shape, steps, apart, replayed(run_round) if self.cudagraphs else run_round, prefill)
+        return Bound(shape, steps, apart, run_round, prefill)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],

@@ -1,6 +1,7 @@
 """Compiling and running the loop's steps: each step compiled under a code object of its own with
-its batch symbolic, the skip-guards stance of the later rounds, CUDA-graph replays' outputs cloned, the host's read of
-the done flag, the phase timer."""
+its batch symbolic, the skip-guards stance of the later rounds, the fused round's state kept in
+place, CUDA-graph replays' outputs cloned (steps apart), the host's read of the done flag, the
+phase timer."""
 
 from __future__ import annotations
 
@@ -166,6 +167,37 @@ def replayed(run_round: Callable) -> Callable:
         return clone(state), clone(carry), finished
 
     return run
+
+
+class InPlaceRound:
+    """The fused round as the loop calls it, (state, carry, params) -> (state, carry, all done), from
+    `run_round` (`steps.decode_round_in_place`), which writes the next state and carry over the
+    ones it gets. They live in buffers of this round's own, one set per batch size, marked static:
+    CUDA graphs take them at their addresses, so a replay neither copies them in nor needs its
+    outputs cloned (`replayed` does both: 16 copies a step of plain decoding, docs/results.md). A
+    state from elsewhere (the prefill, another K's round) is copied in first. So a `Run` this round
+    returns holds these buffers: the next run at this K and batch size overwrites it."""
+
+    def __init__(self, run_round: Callable, cudagraphs: bool):
+        self.run_round, self.cudagraphs = run_round, cudagraphs
+        self.buffers: dict[tuple, tuple[Any, Any]] = {}  # the leaves' shapes and dtypes -> (state, carry)
+
+    def __call__(self, state: Any, carry: Any, params: Any) -> tuple[Any, Any, Tensor]:
+        leaves, spec = pytree.tree_flatten((state, carry))  # tensors, and None where a field is unused
+        key = tuple((t.shape, t.dtype) if isinstance(t, Tensor) else t for t in leaves)
+        if key not in self.buffers:
+            own = [torch.empty_like(t) if isinstance(t, Tensor) else t for t in leaves]
+            for t in own:
+                if isinstance(t, Tensor):
+                    torch._dynamo.mark_static_address(t)
+            self.buffers[key] = pytree.tree_unflatten(own, spec)
+        own_state, own_carry = self.buffers[key]
+        for mine, given in zip(pytree.tree_leaves((own_state, own_carry)), leaves):
+            if mine is not given:
+                mine.copy_(given)
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return own_state, own_carry, self.run_round(own_state, own_carry, params)
 
 
 def clock(device: torch.device) -> float:

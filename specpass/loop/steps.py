@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from specpass.kernels.counter import key, uniform
@@ -195,6 +196,17 @@ def decode_round(steps: Steps, state: State, carry: Carry,
     if steps.catch_up is not None:
         carry = Carry(*steps.catch_up(y, pos, hidden, a, params))
     return state, carry, finished
+
+
+def decode_round_in_place(steps: Steps, state: State, carry: Carry, params: Params | None) -> Tensor:
+    """`decode_round` writing the next state and carry over these ones -> all done. The loop's
+    fused round: its state and carry stay in the same buffers from round to round (`runtime.InPlaceRound`),
+    so a CUDA graph's replay neither copies them in nor has its outputs cloned."""
+    new_state, new_carry, finished = decode_round(steps, state, carry, params)
+    for old, new in zip(pytree.tree_leaves((state, carry)), pytree.tree_leaves((new_state, new_carry))):
+        if new is not old:  # the limits and EOS ids never change; plain decoding carries nothing
+            old.copy_(new)
+    return finished
 
 
 def prefill_step(target: Target, hidden_kind: str | None, catch_up: Callable[..., Carry] | None, tokens: Tensor,
