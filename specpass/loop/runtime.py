@@ -183,6 +183,13 @@ class InPlaceRound:
         self.buffers: dict[tuple, tuple[Any, Any]] = {}  # the leaves' shapes and dtypes -> (state, carry)
 
     def __call__(self, state: Any, carry: Any, params: Any) -> tuple[Any, Any, Tensor]:
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        if not any(state is own[0] and carry is own[1] for own in self.buffers.values()):  # rounds 2 on: in place
+            state, carry = self._copied_in(state, carry)
+        return state, carry, self.run_round(state, carry, params)
+
+    def _copied_in(self, state: Any, carry: Any) -> tuple[Any, Any]:
         leaves, spec = pytree.tree_flatten((state, carry))  # tensors, and None where a field is unused
         key = tuple((t.shape, t.dtype) if isinstance(t, Tensor) else t for t in leaves)
         if key not in self.buffers:
@@ -195,9 +202,7 @@ class InPlaceRound:
         for mine, given in zip(pytree.tree_leaves((own_state, own_carry)), leaves):
             if mine is not given:
                 mine.copy_(given)
-        if self.cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        return own_state, own_carry, self.run_round(own_state, own_carry, params)
+        return own_state, own_carry
 
 
 def clock(device: torch.device) -> float:
