@@ -96,6 +96,7 @@ class LoopRow(harness.Row):
     phase_ms: dict[str, float] | None  # steps apart: each step's ms (one more run, CUDA events)
     compile_s: float  # the first generate's wall time
     profile: dict | None = None  # --profile: `kernels_per_round`
+    host_ms: float | None = None  # on a GPU: the loop's host time a round not spent waiting for the device
 
 
 def prefix_agreement(got: list[list[int]], want: list[list[int]]) -> float:
@@ -205,6 +206,7 @@ class Bench:
                      prefill_ms=statistics.median(1e3 * m.prefill_seconds for m in runs),
                      accept_length=runs[0].accept_length, acceptance=runs[0].acceptance,
                      round_ms=statistics.median(m.phase_ms["round"] for m in runs),
+                     host_ms=statistics.median(m.phase_ms["host"] for m in runs) if "host" in runs[0].phase_ms else None,
                      phase_ms=timed.phase_ms if timed else None)
             if self.args.profile and self.device.type == "cuda":
                 r["profile"] = kernels_per_round(decoder, prompts, new, sampling)
@@ -245,7 +247,7 @@ class Bench:
 
 def pooled(runs: list):
     """One Metrics for several generates run in turn: tokens and seconds summed, the acceptance
-    weighted by each run's request-rounds, the ms per round by its rounds."""
+    weighted by each run's request-rounds, the ms per round (and the host's, on a GPU) by its rounds."""
     from specpass.loop import Metrics
     from specpass.loop.cost import pooled_acceptance
 
@@ -254,7 +256,8 @@ def pooled(runs: list):
                    prefill_seconds=sum(m.prefill_seconds for m in runs),
                    accept_length=sum(m.accept_length * m.request_rounds for m in runs) / request_rounds,
                    acceptance=pooled_acceptance(runs),
-                   phase_ms={"round": sum(m.phase_ms["round"] * m.rounds for m in runs) / rounds},
+                   phase_ms={phase: sum(m.phase_ms[phase] * m.rounds for m in runs) / rounds
+                             for phase in ("round", "host") if all(phase in m.phase_ms for m in runs)},
                    request_rounds=request_rounds)
 
 

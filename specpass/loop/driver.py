@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import itertools
 import statistics
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -52,7 +53,8 @@ class Metrics:
     prefill_seconds: float
     accept_length: float  # tokens per round per active request: accepted drafts + the bonus token
     acceptance: list[float]  # per draft position 1..K: the fraction of active request-rounds accepting it
-    phase_ms: dict[str, float]  # mean ms per round: "round"; with timing=True (steps apart) also each step
+    phase_ms: dict[str, float]  # mean ms per round: "round"; on a GPU "host", the host's time a round not spent
+    # waiting for the device; with timing=True (steps apart) also each step
     request_rounds: int = 0  # rounds summed over the requests active in them: what the two above average over
 
     @property
@@ -276,6 +278,7 @@ class Decoder:
                 if flags.push(finished):  # the round's one host sync
                     rounds -= flags.lag  # a round run after all were done emitted nothing
                     break
+        loop_end = time.perf_counter()
         end = self.clock()
         if check is not None:
             check.raise_if_differed()
@@ -285,6 +288,8 @@ class Decoder:
         out, count, stats = state.out.tolist(), state.count.tolist(), state.stats.tolist()
         active = max(stats[0], 1)
         phases = {k: 1e3 * v / rounds for k, v in (timer.totals() if timer else {}).items()}
+        if flags.lag:  # the host's own time a round (launching it, reading the flag), not waiting for the GPU
+            phases["host"] = 1e3 * (loop_end - prefill_end - flags.waited) / rounds
         metrics = Metrics(
             new_tokens=sum(count), rounds=rounds, seconds=end - start, prefill_seconds=prefill_end - start,
             accept_length=1 + sum(stats[1:]) / active, acceptance=[s / active for s in stats[1:]],

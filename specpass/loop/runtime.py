@@ -221,6 +221,7 @@ class DoneFlags:
     def __init__(self, device: torch.device):
         self.lag = int(device.type == "cuda")
         self.pending: list[tuple[Tensor, Any]] = []
+        self.waited = 0.0  # seconds the host sat waiting for a round to end: the rest of a loop is host work
 
     def push(self, finished: Tensor) -> bool:
         if not self.lag:
@@ -231,7 +232,9 @@ class DoneFlags:
         if len(self.pending) <= self.lag:
             return False
         flag, event = self.pending.pop(0)
+        start = time.perf_counter()
         event.synchronize()
+        self.waited += time.perf_counter() - start
         return bool(flag.item())
 
 
