@@ -21,7 +21,6 @@ the same order whatever runs beside it:
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 
 import torch

@@ -26,7 +26,10 @@ class KChoice:
 
 def pooled_acceptance(runs: Sequence[Any]) -> list[float]:
     """The acceptance per draft position over several runs (`Metrics` of generates at one K),
-    each weighted by its active request-rounds, as one run of them all would count it."""
+    each weighted by its active request-rounds, as one run of them all would count it (one run: its
+    own, unrounded)."""
+    if len(runs) == 1:
+        return list(runs[0].acceptance)
     total = max(sum(m.request_rounds for m in runs), 1)
     return [sum(a * m.request_rounds for a, m in zip(column, runs)) / total
             for column in zip(*(m.acceptance for m in runs))]

@@ -431,7 +431,7 @@ class Decoder:
             busy[k] = batch_busy(runs, [len(batch) for batch in batches])
             if on_timed is not None:
                 on_timed(k, ms)
-            return ms, pooled_acceptance(runs) if len(runs) > 1 else run.acceptance
+            return ms, pooled_acceptance(runs)
 
         round_ms, why, measured, busy = {}, {}, {}, {}
         for k in timed:
