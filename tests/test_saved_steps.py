@@ -6,6 +6,7 @@ fp32, CPU."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -17,6 +18,7 @@ import transformers
 from torch._dynamo.utils import counters
 
 import specpass
+from specpass import compile_backend
 from models.llama import Llama, LlamaConfig
 from specpass.compile_backend import SpecpassWarning
 from specpass.hf.generate import DecoderCache
@@ -91,6 +93,29 @@ def decode(target, **options):
 def tiny_llama(**overrides):
     torch.manual_seed(0)
     return Llama(LlamaConfig(**{**CONFIG, **overrides})).eval()
+
+
+def test_a_saved_round_compiles_with_its_state_buffers_static(steps_dir, monkeypatch):
+    """The fused round writes its state over its own buffers, which CUDA graphs accept only from
+    inputs marked static (otherwise Inductor skips the graph: "mutated inputs"). A saved step
+    compiles on clones of its arguments: they keep the marks."""
+    marks = {}
+    adopt = compile_backend.adopt_dynamo_inputs
+
+    def spy(dynamo_gm, aten_gm):
+        if compile_backend.step_name(dynamo_gm) == "decode_round":
+            for node in dynamo_gm.graph.find_nodes(op="placeholder"):  # the state's and carry's fields
+                source = str(getattr(node, "_dynamo_source", ""))
+                if re.match(r"AttrSource\(base=GetItemSource\(base=LocalSource\(local_name='args'", source):
+                    marks[source] = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+        return adopt(dynamo_gm, aten_gm)
+
+    monkeypatch.setattr(compile_backend, "adopt_dynamo_inputs", spy)
+    tokens, graphs, warned = decode(tiny_llama())
+    assert graphs == 2 and not warned and sorted(p.name.split("-")[0] for p in steps_dir.iterdir()) == [
+        "decode_round", "prefill"]
+    assert len(marks) >= 4 and set(marks.values()) == {"unguarded"}, marks
+    assert tokens == plain_greedy(tiny_llama())
 
 
 def test_a_stale_or_corrupted_step_is_never_loaded(steps_dir):

@@ -116,7 +116,7 @@ class SavedStep:
                     report.notes.append(f"loaded with the saved step {path}")
                     log_report(report, self.name)
                 return compiled
-        clones = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, args)
+        clones = pytree.tree_map(_clone, args)
         clone_of = {id(a): c for a, c in zip(pytree.tree_leaves(args), pytree.tree_leaves(clones))}
         for tensor, dim in marks:
             torch._dynamo.maybe_mark_dynamic(clone_of[id(tensor)], dim)
@@ -181,6 +181,19 @@ def _save(path: Path, key: str, compiled: Any, reports: list[Report], f_globals:
     body = len(header).to_bytes(8, "little") + header + payload
     path.parent.mkdir(parents=True, exist_ok=True)
     compile_cache.write_atomically(path, MAGIC + hashlib.sha256(body).digest() + body)
+
+
+def _clone(x: Any) -> Any:
+    """A tensor's clone to compile on, with its static-address mark: CUDA graphs take the inputs
+    marked so (a round's state buffers) at their addresses, and accept the round's writes to them
+    instead of skipping the graph."""
+    if not isinstance(x, Tensor):
+        return x
+    clone = x.clone()
+    static = getattr(x, "_dynamo_static_input_type", None)
+    if static is not None:
+        torch._dynamo.mark_static_address(clone, guard=static == "guarded")
+    return clone
 
 
 def _load(path: Path, key: str, f_globals: dict[str, Any], mode_options: dict[str, Any]) -> tuple[Any, list[Report]]:
