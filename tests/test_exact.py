@@ -14,7 +14,6 @@ import specpass
 from models import zoo
 from models.drafters import ZooDrafter, adapt
 from specpass import ExactModeError
-from specpass.kernels.exact import seen_slots
 from specpass.loop import Decoder, TreeShape
 from specpass.testing import graph_str
 from tests.test_hf_generate import build as hf_build, eagle3_head
@@ -100,18 +99,6 @@ def test_attention_adds_the_slots_a_mask_hides_as_nothing_wherever_they_sit():
     assert torch.equal(tree, chain)
     blind = ops.exact_attention(q, k, v, torch.zeros(1, 1, 1, 6, dtype=torch.bool), False, None, False)
     assert torch.equal(blind, torch.zeros_like(blind))
-
-
-def test_seen_slots_lists_each_row_s_keys_in_slot_order():
-    """What the CUDA attention reads a row's keys through: a tree node's path (slots 0, 2, 5) and a
-    chain's row (slots 0..2) both become virtual slots 0, 1, 2; an additive mask's -inf and
-    finfo.min hide (exp underflows to 0), an ALiBi-like -30 does not."""
-    mask = torch.tensor([[True, False, True, False, False, True], [True, True, True, False, False, False]])
-    slots, count = seen_slots(mask)
-    assert count.tolist() == [3, 3] and slots[:, :3].tolist() == [[0, 2, 5], [0, 1, 2]]
-    bias = torch.tensor([[0.0, float("-inf"), -30.0, torch.finfo(torch.float32).min, 1.5]])
-    slots, count = seen_slots(bias)
-    assert count.tolist() == [3] and slots[0, :3].tolist() == [0, 2, 4]
 
 
 def traced(fn, *shapes, dtype=torch.float32, **options):

@@ -357,3 +357,23 @@ def test_sample_in_a_compiled_cuda_graph_with_new_keys_per_replay():
         assert (logits.float().gather(-1, got[:, None])[:, 0] >= floor).all()
         tokens.append(got.clone())
     assert all(not torch.equal(tokens[0], t) for t in tokens[1:])
+
+
+@cuda
+def test_seen_slots_lists_each_row_s_keys_in_slot_order():
+    """What exact mode's CUDA attention reads a row's keys through: a tree node's path (slots 0, 2,
+    5) and a chain's row (slots 0..2) both become virtual slots 0, 1, 2; an additive mask's -inf and
+    finfo.min hide (exp underflows to 0), an ALiBi-like -30 does not; a broadcast dim is one row."""
+    from specpass.kernels.triton_exact import seen_slots
+    mask = torch.tensor([[True, False, True, False, False, True], [True, True, True, False, False, False]],
+                        device="cuda")
+    slots, count = seen_slots(mask[None, None])
+    assert count.tolist() == [[[3, 3]]] and slots[0, 0, :, :3].tolist() == [[0, 2, 5], [0, 1, 2]]
+    bias = torch.tensor([0.0, float("-inf"), -30.0, torch.finfo(torch.float32).min, 1.5], device="cuda")
+    slots, count = seen_slots(bias.to(torch.bfloat16).expand(3, 2, 4, 5))
+    assert count.shape == (1, 1, 1) and count.item() == 3 and slots[0, 0, 0, :3].tolist() == [0, 2, 4]
+    wide = torch.rand(2, 1, 3, 3000, device="cuda") > 0.5  # several blocks of the kernel's width
+    slots, count = seen_slots(wide)
+    for row, n, listed in zip(wide.reshape(-1, 3000), count.flatten().tolist(), slots.reshape(-1, 3000)):
+        assert listed[:n].tolist() == row.nonzero().flatten().tolist()
+

@@ -203,21 +203,6 @@ def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bo
     return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
-HIDDEN_BIAS = -1e3  # an additive mask value below it hides its slot: exp of it underflows to 0 in fp32
-
-
-def seen_slots(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """mask [..., T, S] (bool: True = seen; or additive) -> (slots [..., T, S] int32: each row's seen
-    slots in slot order, then anything; count [..., T] int32: how many)."""
-    seen = mask if mask.dtype == torch.bool else mask > HIDDEN_BIAS
-    order = seen.cumsum(-1, dtype=torch.int32)
-    S = mask.shape[-1]
-    slots = torch.zeros(*mask.shape[:-1], S + 1, dtype=torch.int32, device=mask.device)
-    index = torch.where(seen, order - 1, S).long()  # the hidden slots all go to the dropped column S
-    slots.scatter_(-1, index, torch.arange(S, dtype=torch.int32, device=mask.device).expand(mask.shape))
-    return slots[..., :S], order[..., -1].contiguous()
-
-
 # CUDA: triton_exact.py's kernels, imported on first use.
 def _triton():
     from specpass.kernels import triton_exact
@@ -285,4 +270,4 @@ def _(x: Tensor, dim: int, log: bool = False, dtype: torch.dtype | None = None) 
 @exact_attention.register_kernel("cuda")
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
       scale: float | None = None, enable_gqa: bool = False) -> Tensor:
-    return _triton().attention(q, k, v, mask, is_causal, scale, seen_slots)
+    return _triton().attention(q, k, v, mask, is_causal, scale)

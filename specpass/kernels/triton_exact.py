@@ -1,12 +1,12 @@
 """Exact mode's row-invariant kernels in Triton: the CUDA forms of `torch.ops.specpass.exact_*`
 (kernels/exact.py), imported on their first call (Triton is not needed on CPU).
 
-Every kernel has one configuration, fixed by the sizes a row has (hidden size, head size) and never
-by the number of rows: the rows only change the grid. A row is computed by the same instructions in
-the same order whatever runs beside it:
+Every kernel's reduction order is fixed by the sizes a row has (hidden size, head size) and never
+by the number of rows: the rows change the grid and, for the linear, how many rows share a tile. A
+row's sums take the same steps in the same order whatever runs beside it:
 
-- `linear` (and batched `matmul`): one program per tile of 16 rows x 64 columns x one split of K,
-  the reduction in steps of 64 with `tl.dot` (fp32 accumulator). K's split is fixed by the weight's
+- `linear` (and batched `matmul`): one program per tile of 16 to 64 rows (`row_tile`) x 64 columns
+  x one split of K, the reduction in steps of 64 with `tl.dot` (fp32 accumulator). K's split is fixed by the weight's
   shape alone (`k_split`), so that a few rows still fill the GPU; the splits' fp32 partials are then
   added in split order, the bias last.
 - `rows`: one program per row, the row read in blocks of a width fixed by its length, summed into
@@ -15,20 +15,28 @@ the same order whatever runs beside it:
 - `attention`: one program per (request, key head, query token), its rows the query heads that
   share the key head; the keys the token sees, in slot order, in blocks of 64 with an online
   softmax. Where the hidden slots sit changes nothing: a tree node, whose path sits among hidden
-  siblings, adds its keys as the chain's or the decode step's row of the same token does.
+  siblings, adds its keys as the chain's or the decode step's row of the same token does. A mask's
+  rows are listed once (`seen_slots`, one kernel) before the attention reads them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-BM, BN, BK = 16, 64, 64  # the linear's tile: fixed, whatever M
+BN, BK = 64, 64  # the linear's tile: its columns and its reduction step, fixed
+BM = 16  # attention: query heads per tile
 BS = 64  # attention: slots per block
+
+
+def row_tile(m: int) -> int:
+    """The linear's rows per tile: 16 for a few rows, up to 64 so that a batch reads each weight
+    tile once. It changes no row's bits (tested at 1 to 200 rows): a row's sum runs over the same
+    splits and steps of K in the same order, whatever tile it sits in."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
 @triton.jit
@@ -76,8 +84,9 @@ def _add_splits(P, B, Out, MN, N, SPLITS, HAS_BIAS: tl.constexpr, BLOCK: tl.cons
 
 
 def k_split(n: int, k: int) -> int:
-    """The length of one split of K for an [n, k] weight: about 1024 programs at 16 rows, each split
-    at least 256 of K and a multiple of BK. A function of the weight's shape, never of the rows."""
+    """The length of one split of K for an [n, k] weight: about 1024 programs at 16 rows or fewer,
+    each split at least 256 of K and a multiple of BK. A function of the weight's shape, never of
+    the rows."""
     splits = max(1, min(triton.cdiv(1024, triton.cdiv(n, BN)), k // 256))
     return triton.cdiv(triton.cdiv(k, splits), BK) * BK
 
@@ -91,10 +100,11 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         kc = k_split(N, K)
         splits = triton.cdiv(K, kc)
         partial = torch.empty(Bt * splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
-        _linear[(triton.cdiv(M, BM), triton.cdiv(N, BN), Bt * splits)](
+        bm = row_tile(M)
+        _linear[(triton.cdiv(M, bm), triton.cdiv(N, BN), Bt * splits)](
             x, w, bias if bias is not None else out, partial, M, N, K, kc, splits, *x.stride(), *w.stride(),
             *partial.stride(), SPLIT=splits > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-            BM=BM, BN=BN, BK=BK, num_warps=4, num_stages=3)
+            BM=bm, BN=BN, BK=BK, num_warps=4, num_stages=3)
         if splits > 1:
             _add_splits[(triton.cdiv(M * N, 1024), Bt)](partial, bias if bias is not None else out, out, M * N, N,
                                                         splits, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
@@ -180,6 +190,43 @@ def rows(x: torch.Tensor, n: int, mode: int, out_dtype: torch.dtype, weight: tor
     return out
 
 
+HIDDEN_BIAS = -1e3  # an additive mask's value below it hides its slot: its exp underflows to 0 in fp32
+
+
+@triton.jit
+def _seen_slots(Mask, Slot, Seen, S, D1, D2, sm_0, sm_1, sm_2, sm_s, ADDITIVE: tl.constexpr, HIDDEN: tl.constexpr,
+                BLOCK: tl.constexpr):
+    # one program per row of the mask [D0, D1, D2, S]: the slots it sees, in slot order, then its count
+    row = tl.program_id(0)
+    mask_row = Mask + (row // D2 // D1).to(tl.int64) * sm_0 + (row // D2 % D1) * sm_1 + (row % D2) * sm_2
+    slot_row = Slot + row.to(tl.int64) * S
+    count = 0
+    for s0 in range(0, S, BLOCK):
+        offs = s0 + tl.arange(0, BLOCK)
+        inside = offs < S
+        m = tl.load(mask_row + offs * sm_s, mask=inside, other=0)
+        seen = inside & ((m.to(tl.float32) > HIDDEN) if ADDITIVE else (m != 0))
+        order = tl.cumsum(seen.to(tl.int32), 0)
+        tl.store(slot_row + count + order - 1, offs.to(tl.int32), mask=seen)
+        count += tl.sum(seen.to(tl.int32), 0)
+    tl.store(Seen + row, count)
+
+
+def seen_slots(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask [D0, D1, D2, S] (bool: True = seen; or additive; a dim of stride 0 broadcasts) -> (slots
+    [D0', D1', D2', S] int32: each row's seen slots in slot order, then anything; count [D0', D1', D2']
+    int32), a broadcast dim of size 1: one kernel, a program per distinct row."""
+    S = mask.shape[-1]
+    rows = [1 if stride == 0 else size for size, stride in zip(mask.shape[:-1], mask.stride()[:-1])]
+    slots = torch.empty(*rows, S, dtype=torch.int32, device=mask.device)
+    count = torch.empty(rows, dtype=torch.int32, device=mask.device)
+    if math.prod(rows):
+        _seen_slots[(math.prod(rows),)](mask, slots, count, S, rows[1], rows[2], *mask.stride(),
+                                        ADDITIVE=mask.dtype != torch.bool, HIDDEN=HIDDEN_BIAS,
+                                        BLOCK=min(1024, max(16, triton.next_power_of_2(S))), num_warps=4)
+    return slots, count
+
+
 @triton.jit
 def _attention(Q, K, V, Mask, Slot, Seen, Out, T, S, HK, G, HT, scale,
                sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_b, sm_h, sm_t, sm_s,
@@ -245,11 +292,11 @@ def _attention(Q, K, V, Mask, Slot, Seen, Out, T, S, HK, G, HT, scale,
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-              scale: float | None, seen_slots: Callable) -> torch.Tensor:
+              scale: float | None) -> torch.Tensor:
     """q [..., hq, T, d], k [..., hk, S, d], v [..., hk, S, dv], hk dividing hq (GQA by index). A row
     adds the keys it sees in slot order in blocks of BS, so it gets the same bits wherever the
     hidden slots sit: a tree node (its path among hidden siblings) as a chain's row, a decode step
-    as a verify's row. seen_slots: kernels/exact.py's (a mask's seen slots of each row, in order)."""
+    as a verify's row."""
     lead = q.shape[:-3]
     hq, T, d = q.shape[-3:]
     hk, S, dv = v.shape[-3:]
