@@ -95,35 +95,34 @@ def tiny_llama(**overrides):
     return Llama(LlamaConfig(**{**CONFIG, **overrides})).eval()
 
 
-def test_a_saved_round_compiles_with_its_state_buffers_static(steps_dir, monkeypatch):
-    """The fused round writes its state over its own buffers, which CUDA graphs accept only from
-    inputs marked static (otherwise Inductor skips the graph: "mutated inputs"). A saved step
-    compiles on clones of its arguments: they keep the marks."""
+def static_marks_of_the_round(monkeypatch) -> dict:
+    """Filled as the fused round compiles: its state's and carry's fields (Dynamo's inputs) -> their
+    static-address marks."""
     marks = {}
     adopt = compile_backend.adopt_dynamo_inputs
 
     def spy(dynamo_gm, aten_gm):
         if compile_backend.step_name(dynamo_gm) == "decode_round":
-            for node in dynamo_gm.graph.find_nodes(op="placeholder"):  # the state's and carry's fields
+            for node in dynamo_gm.graph.find_nodes(op="placeholder"):
                 source = str(getattr(node, "_dynamo_source", ""))
                 if re.match(r"AttrSource\(base=GetItemSource\(base=LocalSource\(local_name='args'", source):
                     marks[source] = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
         return adopt(dynamo_gm, aten_gm)
 
     monkeypatch.setattr(compile_backend, "adopt_dynamo_inputs", spy)
-    tokens, graphs, warned = decode(tiny_llama())
-    assert graphs == 2 and not warned and sorted(p.name.split("-")[0] for p in steps_dir.iterdir()) == [
-        "decode_round", "prefill"]
-    assert len(marks) >= 4 and set(marks.values()) == {"unguarded"}, marks
-    assert tokens == plain_greedy(tiny_llama())
+    return marks
 
 
-def test_a_stale_or_corrupted_step_is_never_loaded(steps_dir):
+def test_a_stale_or_corrupted_step_is_never_loaded(steps_dir, monkeypatch):
     """One base compile, then each change: a corrupted file (a warning, compiled again, replaced), a
-    model config, an option and a dtype the guards cannot see or need not (misses: compiled, no warning)."""
+    model config, an option and a dtype the guards cannot see or need not (misses: compiled, no warning).
+    The base compile runs on clones of the round's arguments: they keep the state buffers' static
+    marks, without which CUDA graphs skip a round that writes its state in place ("mutated inputs")."""
     target = tiny_llama()
+    marks = static_marks_of_the_round(monkeypatch)
     tokens, graphs, warned = decode(target)
     assert graphs == 2 and not warned and tokens == plain_greedy(target)
+    assert len(marks) >= 4 and set(marks.values()) == {"unguarded"}, marks
     assert decode(target) == (tokens, 0, [])  # the same models, options and dtype: loaded
 
     round_file, = steps_dir.glob("decode_round-*.bin")
