@@ -160,8 +160,11 @@ def accept(state: State, y: Tensor, a: Tensor) -> tuple[State, Tensor]:
     is_eos = (y == state.eos[:, None]) & emitting
     emitting &= t <= first_true(is_eos)[:, None]  # nothing after the first EOS
     emitting &= state.count[:, None] + t < state.limit[:, None]
-    # Columns past count + emitted are scratch: the next round (or nothing) overwrites them.
-    out = state.out.scatter(1, state.count[:, None] + t, y)
+    # y_t goes to column count + t; columns past count + emitted are scratch: the next round (or
+    # nothing) overwrites them. A select, not a scatter: Inductor fuses it with the round's other
+    # writes, where a scatter runs as ATen's kernel after a copy of out.
+    col = torch.arange(state.out.shape[1], device=y.device) - state.count[:, None]  # [B, L]
+    out = torch.where((col >= 0) & (col <= K), y.gather(1, col.clamp(0, K)), state.out)
     count = state.count + emitting.sum(1)
     done = state.done | (count >= state.limit) | (is_eos & emitting).any(1)
 
