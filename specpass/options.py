@@ -53,7 +53,7 @@ class Options:
             raise TypeError(
                 f"unknown specpass option(s) {unknown}; valid options are {cls.names()}"
             )
-        for name in (f.name for f in dataclasses.fields(cls) if f.type in (bool, "bool")):  # the switches
+        for name in (f.name for f in dataclasses.fields(cls) if f.type == "bool"):  # the switches
             if name in options and not isinstance(options[name], bool):
                 raise ValueError(f"specpass option {name}= must be True or False, got {options[name]!r}")
         if "split_min_rows" in options and (not isinstance(options["split_min_rows"], int)

@@ -376,4 +376,3 @@ def test_seen_slots_lists_each_row_s_keys_in_slot_order():
     slots, count = seen_slots(wide)
     for row, n, listed in zip(wide.reshape(-1, 3000), count.flatten().tolist(), slots.reshape(-1, 3000)):
         assert listed[:n].tolist() == row.nonzero().flatten().tolist()
-

@@ -104,9 +104,11 @@ def static_marks_of_the_round(monkeypatch) -> dict:
     def spy(dynamo_gm, aten_gm):
         if compile_backend.step_name(dynamo_gm) == "decode_round":
             for node in dynamo_gm.graph.find_nodes(op="placeholder"):
-                source = str(getattr(node, "_dynamo_source", ""))
-                if re.match(r"AttrSource\(base=GetItemSource\(base=LocalSource\(local_name='args'", source):
-                    marks[source] = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+                source = getattr(node, "_dynamo_source", None)
+                name = "" if source is None else source.name() if callable(source.name) else source.name
+                tensor = isinstance(node.meta.get("example_value"), torch.Tensor)  # not one of its sizes
+                if tensor and re.match(r"L\['args'\]\[[01]\]\.", name):  # a field of the state or the carry
+                    marks[name] = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
         return adopt(dynamo_gm, aten_gm)
 
     monkeypatch.setattr(compile_backend, "adopt_dynamo_inputs", spy)

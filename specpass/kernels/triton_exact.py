@@ -6,9 +6,9 @@ by the number of rows: the rows change the grid and, for the linear, how many ro
 row's sums take the same steps in the same order whatever runs beside it:
 
 - `linear` (and batched `matmul`): one program per tile of 16 to 64 rows (`row_tile`) x 64 columns
-  x one split of K, the reduction in steps of 64 with `tl.dot` (fp32 accumulator). K's split is fixed by the weight's
-  shape alone (`k_split`), so that a few rows still fill the GPU; the splits' fp32 partials are then
-  added in split order, the bias last.
+  x one split of K, the reduction in steps of 64 with `tl.dot` (fp32 accumulator). K's split is
+  fixed by the weight's shape alone (`k_split`), so that a few rows still fill the GPU; the splits'
+  fp32 partials are then added in split order, the bias last.
 - `rows`: one program per row, the row read in blocks of a width fixed by its length, summed into
   a vector accumulator and reduced once (`tl.sum`): sums, means, RMS and layer norms, softmax, log-
   softmax, log-sum-exp.
