@@ -10,7 +10,8 @@
 
 Variants, all greedy, on the held-out prompts (checkpoints/prompts.json), no EOS, the same number
 of new tokens per request:
-  plain          the target alone through our loop (K = 0), Inductor, one CUDA graph per token
+  plain          the target alone through our loop (K = 0) as `Decoder` compiles it by default (the
+                 specpass backend, then Inductor), one CUDA graph per token
   lean           the lean baseline (benchmarks/lean.py): gpt-fast's decoding, one compiled step per
                  token and nothing else; the tables' ratios ("vs baseline") are against the faster
                  of the two, batch size by batch size
@@ -296,7 +297,7 @@ def sweep(args, save) -> list[dict]:
               f"round {row['round_ms']} ms, compile {row['compile_s']:.0f} s, agree {agree} ({prefix:.2f})",
               file=sys.stderr)
 
-    loops = [] if args.no_plain else [("plain", None, "inductor", True, 0), ("lean", None, "lean", True, 0)]
+    loops = [] if args.no_plain else [("plain", None, "specpass", True, 0), ("lean", None, "lean", True, 0)]
     tuned = []
     for drafter, (loop, (compile, fused)) in itertools.product(DRAFTERS, LOOPS.items()):
         if f"{drafter}/{loop}" in args.variants:
@@ -330,7 +331,7 @@ def sweep_sampling(args, save) -> list[dict]:
     torch = bench.torch
     env = harness.environment(bench.device, args.dtype, new_tokens=args.new_tokens)
     print(f"{harness.describe(env)}; sampling", file=sys.stderr)
-    loops = [("plain", None, "inductor", True, 0, False)]
+    loops = [("plain", None, "specpass", True, 0, False)]
     for k in dict.fromkeys([args.k, *args.k_sweep]):
         loops += [("eagle3/specpass-fused", "eagle3", "specpass", True, k, False),
                   ("eagle3/specpass-fused-greedy-drafts", "eagle3", "specpass", True, k, True)]
@@ -498,8 +499,9 @@ def main() -> None:
     parser.add_argument("--swept", default=",".join(SWEPT), type=lambda s: s.split(","),
                         help=f"the variants also run at each K of --k-sweep, of {', '.join(SWEPT)}")
     all_variants = ["hf-static", "hf-assisted"] + [f"{d}/{loop}" for d in DRAFTERS for loop in LOOPS]
-    parser.add_argument("--variants", default=",".join(all_variants), type=lambda s: s.split(","),
-                        help=f"comma-separated, of {all_variants} (plain runs too, unless --no-plain)")
+    parser.add_argument("--variants", default=",".join(all_variants), type=lambda s: [v for v in s.split(",") if v],
+                        help=f"comma-separated, of {all_variants} (plain and lean run too, unless --no-plain; "
+                             "\"\": only they)")
     parser.add_argument("--inline", action="store_true",
                         help="compile every layer inline in each step (Decoder(regional=False)): a layer's residual "
                              "add fuses with the next layer's norm, at more compile time")

@@ -152,6 +152,8 @@ def _emit_after_inputs(graph: fx.Graph, target: Any, args: tuple) -> fx.Node:
 def set_val(node: fx.Node) -> None:
     """Compute a call_function node's meta["val"] from its arguments' fake values."""
     fake_args, fake_kwargs = fx.node.map_arg((node.args, node.kwargs), val)
+    if is_region_call(node):  # the body, not the get_attr node naming it
+        fake_args = (region_body(node), *fake_args[1:])
     with fake_mode(node.graph), enable_python_dispatcher():  # as propagate_fake_tensors
         node.meta["val"] = node.target(*fake_args, **fake_kwargs)
 

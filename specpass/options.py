@@ -19,6 +19,9 @@ class Options:
     # A topk over a short static row (<= 512) runs as a stable sort and a slice, on CUDA: Inductor
     # lowers that to one Triton kernel instead of ATen's two top-k kernels.
     topk_sort: bool = True
+    # Repeated layers compiled once: the next layer's head (its norm) moves into each layer's body,
+    # so that Inductor fuses it with the residual add that ends the layer (one kernel per seam).
+    seams: bool = True
     # live_rows: also gather attention's query rows (exact with K/V read from the cache).
     # Off keeps the gather after attention, for kernels that need as many queries as K/V rows.
     q_slice: bool = True

@@ -31,7 +31,7 @@ from specpass.capture import capture
 from specpass.graph import (SCALAR_READS, emit, is_impure, is_mutation, is_region_call, make_local_writes_functional,
                             region_body, region_operands, same_shape, storage, written_storages)
 from specpass.options import Options
-from specpass.passes import argmax, exact, gqa, live_rows, split_kv, topk_sort
+from specpass.passes import argmax, exact, gqa, live_rows, seams, split_kv, topk_sort
 from specpass.report import Finding, Report, graph_matmul_flops
 
 Pass = Callable[[fx.GraphModule, Options], list[Finding]]
@@ -45,6 +45,8 @@ PASSES: list[tuple[str, Pass]] = [
     ("topk_sort", topk_sort.run),  # after argmax: the exact top-k it emits
     ("exact", exact.run),  # off unless asked; last: it routes what the others emit
 ]
+# After each region body is rewritten (`_rewrite_bodies`): it regroups the calls of final bodies.
+AFTER_BODIES: list[tuple[str, Pass]] = [("seams", seams.run)]
 
 
 @dataclasses.dataclass
@@ -74,46 +76,53 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
     _clean(current, report, "prepare", as_captured)
     dense = [_dense(v) for v in _output_values(current)]
     for name, run in PASSES:
-        if not getattr(options, name):
-            continue
-        with report.timed(f"{name}/copy"):
-            candidate = _copy(current)
-        with report.timed(f"{name}/checks"):
-            fixed = _fixed_sizes(current)
-        try:
-            with report.timed(f"{name}/diff"):
-                as_it_was = _snapshot(candidate)
-            with report.timed(f"{name}/rewrite"):
-                findings = run(candidate, options)
-            with report.timed(f"{name}/diff"):
-                edited = list(candidate.graph.nodes) != list(as_it_was) or \
-                    not all(_as_it_was(candidate, n, as_it_was) for n in candidate.graph.nodes)
-            if edited:
-                _clean(candidate, report, name, as_it_was)
-                with report.timed(f"{name}/checks"):
-                    _check_invariants(before=current, after=candidate)
-            else:  # the graph is as it was: current's checks hold for it
-                candidate = current
-            with report.timed(f"{name}/checks"):
-                _check_no_specialization(candidate, fixed)  # the shape environment is shared: even a refusal may pin
-        except Exception as exc:
-            report.errors.append(
-                f"pass {name} failed ({type(exc).__name__}: {exc}); the graph is kept as it was before {name}"
-            )
-            continue
-        twice = _reported_twice(findings)
-        if twice:
-            report.errors.append(f"pass {name} reported {twice} twice; the graph is kept as it was before {name}")
-            continue
-        report.findings.extend(findings)
-        current = candidate
+        current = _run_pass(name, run, current, options, report)
     _keep_dense_outputs(current, dense)
     current = _rewrite_bodies(current, options, report)
+    for name, run in AFTER_BODIES:
+        current = _run_pass(name, run, current, options, report)
     with report.timed("report/flops"):
         report.matmul_flops = (graph_matmul_flops(gm), graph_matmul_flops(current))
     with report.timed("report/code"):
         rewritten = fx.GraphModule(current, current.graph, class_name=type(gm).__name__)  # its code, once
     return RewriteResult(rewritten, report)
+
+
+def _run_pass(name: str, run: Pass, current: fx.GraphModule, options: Options, report: Report) -> fx.GraphModule:
+    """`run` on a copy of `current`: the copy if it holds the invariants, else `current` and an error."""
+    if not getattr(options, name):
+        return current
+    with report.timed(f"{name}/copy"):
+        candidate = _copy(current)
+    with report.timed(f"{name}/checks"):
+        fixed = _fixed_sizes(current)
+    try:
+        with report.timed(f"{name}/diff"):
+            as_it_was = _snapshot(candidate)
+        with report.timed(f"{name}/rewrite"):
+            findings = run(candidate, options)
+        with report.timed(f"{name}/diff"):
+            edited = list(candidate.graph.nodes) != list(as_it_was) or \
+                not all(_as_it_was(candidate, n, as_it_was) for n in candidate.graph.nodes)
+        if edited:
+            _clean(candidate, report, name, as_it_was)
+            with report.timed(f"{name}/checks"):
+                _check_invariants(before=current, after=candidate)
+        else:  # the graph is as it was: current's checks hold for it
+            candidate = current
+        with report.timed(f"{name}/checks"):
+            _check_no_specialization(candidate, fixed)  # the shape environment is shared: even a refusal may pin
+    except Exception as exc:
+        report.errors.append(
+            f"pass {name} failed ({type(exc).__name__}: {exc}); the graph is kept as it was before {name}"
+        )
+        return current
+    twice = _reported_twice(findings)
+    if twice:
+        report.errors.append(f"pass {name} reported {twice} twice; the graph is kept as it was before {name}")
+        return current
+    report.findings.extend(findings)
+    return candidate
 
 
 def _rewrite_bodies(gm: fx.GraphModule, options: Options, report: Report) -> fx.GraphModule:

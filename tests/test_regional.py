@@ -63,13 +63,16 @@ def decode(layers: int, **options):
 
 
 def test_depth_adds_no_body_and_no_rewritten_node():
-    """A 3-layer and a 6-layer target: the same layer bodies and the same computing nodes outside them in
+    """A 4-layer and a 6-layer target: the same layer bodies and the same computing nodes outside them in
     every graph; only the calls (and the weights they read) grow. (A layer Dynamo traces unlike the
-    others, the first, whose sizes it reads itself, is inlined in both.)"""
-    shallow, deep = (decode(layers, fused_round=True) for layers in (3, 6))
+    others, the first, whose sizes it reads itself, is inlined in both; 4 layers, not 3: the verify's last
+    is inlined too, and a lone call hands nothing on to a next one, where the seams pass moves a norm.)"""
+    shallow, deep = (decode(layers, fused_round=True) for layers in (4, 6))
     assert len(bodies(shallow[2].dynamo)) >= 1
     assert bodies(shallow[2].dynamo) == bodies(deep[2].dynamo)
     assert [computed(gm) for gm in shallow[2].rewritten] == [computed(gm) for gm in deep[2].rewritten]
+    assert all(any(t.endswith("_seams") for t in (n.target for n in gm.graph.find_nodes(op="get_attr")))
+               for gm in deep[2].rewritten if any(map(is_region_call, gm.graph.nodes)))
     for target, tokens, _ in (shallow, deep):
         plain = Decoder(target, None, max_batch=3, max_len=MAX_LEN, compile="eager").generate(PROMPTS, NEW).tokens
         assert tokens == plain
