@@ -9,14 +9,16 @@ sum: two kernels at every seam where a layer compiled inline has one (a step of 
 ->  n0 = head(h0, w0)                                 # inline, before the first call
     h1, n1 = rest+head(h0, n0, w0, next=w1)           # one body R for every call:
     h2, n2 = rest+head(h1, n1, w1, next=w2)           #   the layer without its head,
-    h3, _ = rest+head(h2, n2, w2, next=w2)            #   then the head on its result
+    h3, n3 = rest+head(h2, n2, w2, next=w_final)      #   then the head on its result
 
 The head is what the body computes from the input the previous call hands it (`h`) before any
 matmul-like op: the maximal set of pure aten ops (no matmul, attention, write, random op, custom or
 collective op) whose inputs are that input, the head's own nodes, or other inputs of the body (the
 next layer's norm weight, read from the next call's operands). What the rest reads of the head (its
-frontier: the normed rows) becomes inputs of R. The last call computes a head on its own weights
-that nothing reads: no second body to compile.
+frontier: the normed rows) becomes inputs of R. After the last call, where the graph computes the
+same head again on its result (a model's final norm: the same ops and constants, its own weight), that
+head moves into the last body too; else the last call computes one on its own weights that nothing
+reads: no second body to compile.
 
 Exact: the same ops on the same values; only the body each runs in changes. A head operand of the
 next call must exist before this call (a weight, an input) and nothing between the two calls, this
@@ -155,15 +157,20 @@ def _rewrite(gm: fx.GraphModule, name: str, calls: list[fx.Node], links: dict, c
     starts = [c for c in calls if not any(link and link[0] is c for link in links.values())]
     with graph.inserting_before(calls[0]):
         attr = graph.get_attr(new_name)
+    last_heads = 0  # chains whose last call took the head after it
     for start in starts:
         heads = _inline_head(graph, body, start, head, frontier)
         call = start
         while call is not None:
             link = links[call]
-            nxt = link[0] if link else call  # the last: a head on its own weights, read by nothing
+            if link:
+                operands, after = [region_operands(link[0])[j] for j in head_inputs], []
+            else:  # the last: the same head after it (a final norm) in its body, else one on its own weights
+                operands, after = _head_after(call, body, carried, head, frontier, head_inputs) or (
+                    [region_operands(call)[j] for j in head_inputs], [])
+                last_heads += bool(after)
             with graph.inserting_before(call):
-                new = graph.call_function(REGION, (attr, identifier, *region_operands(call), *heads,
-                                                   *(region_operands(nxt)[j] for j in head_inputs)))
+                new = graph.call_function(REGION, (attr, identifier, *region_operands(call), *heads, *operands))
             new.meta = {k: v for k, v in call.meta.items() if k != "val"}
             set_val(new)  # (torch's FakeTensorProp leaves a body's first call without one)
             for user in list(call.users):
@@ -172,13 +179,69 @@ def _rewrite(gm: fx.GraphModule, name: str, calls: list[fx.Node], links: dict, c
                 heads = [graph.call_function(operator.getitem, (new, results + i)) for i in range(len(frontier))]
             for n in heads:
                 set_val(n)
+            for n, head_value in zip(after, heads):
+                n.replace_all_uses_with(head_value)
             graph.erase_node(call)
             call = link[0] if link else None
     for attr in graph.find_nodes(op="get_attr", target=name):
         if not attr.users:
             graph.erase_node(attr)
     shown = ", ".join(n.name for n in head[:4]) + ("..." if len(head) > 4 else "")
-    return f"{len(calls)} calls of one body: each also computes the next call's {shown}, fused with its own end"
+    after = f"; the same {shown} after the last call moved into it" if last_heads else ""
+    return f"{len(calls)} calls of one body: each also computes the next call's {shown}, fused with its own end{after}"
+
+
+def _head_after(call: fx.Node, body: fx.GraphModule, carried: dict[int, int], head: list[fx.Node],
+                frontier: list[fx.Node], head_inputs: list[int]) -> tuple[list, list[fx.Node]] | None:
+    """Where the graph computes the head again on what the last call hands on (a model's final norm:
+    the same ops and constants, other weights), (its head operands, its frontier's nodes); else None.
+    Its operands must exist before the call, and nothing up to it may write them."""
+    graph = call.graph
+    inputs = list(body.graph.find_nodes(op="placeholder"))
+    env: dict[fx.Node, fx.Node] = {}
+    for j, k in carried.items():
+        items = [u for u in call.users if u.args[1] == k]
+        if len(items) != 1:
+            return None
+        env[inputs[j]] = items[0]
+    for n in head:
+        anchor = next(a for a in n.all_input_nodes if a in env)
+        for candidate in env[anchor].users:
+            trial = dict(env)
+            if candidate not in env.values() and _same_call(n, candidate, trial, inputs):
+                env = {**trial, n: candidate}
+                break
+        else:
+            return None
+    operands = [env[inputs[j]] for j in head_inputs]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    if any(not isinstance(a, fx.Node) or order[a] > order[call] for a in operands):
+        return None
+    read = {storage(a) for a in operands} - {None}
+    end = max(order[env[n]] for n in head)
+    if any(order[call] <= order[n] <= end and is_mutation(n) and written_storages(n) & read for n in graph.nodes):
+        return None
+    return operands, [env[n] for n in frontier]
+
+
+def _same_call(n: fx.Node, other: fx.Node, env: dict[fx.Node, fx.Node], inputs: list[fx.Node]) -> bool:
+    """`other` computes `n` on the nodes `env` maps `n`'s inputs to; a body input not yet mapped is
+    bound to `other`'s argument in its place (extends `env`)."""
+    if other.op != "call_function" or other.target != n.target:
+        return False
+    mine, theirs = torch.utils._pytree.tree_flatten((n.args, n.kwargs)), torch.utils._pytree.tree_flatten(
+        (other.args, other.kwargs))
+    if mine[1] != theirs[1]:
+        return False
+    for a, b in zip(mine[0], theirs[0]):
+        if isinstance(a, fx.Node):
+            if a not in env and a in inputs and isinstance(b, fx.Node):
+                env[a] = b
+            if a not in env or env[a] is not b:
+                return False
+        elif isinstance(b, fx.Node) or type(a) is not type(b) or a != b:
+            return False
+    return True
 
 
 def _inline_head(graph: fx.Graph, body: fx.GraphModule, call: fx.Node, head: list[fx.Node],
