@@ -195,7 +195,7 @@ def _head_after(call: fx.Node, body: fx.GraphModule, carried: dict[int, int], he
                 frontier: list[fx.Node], head_inputs: list[int]) -> tuple[list, list[fx.Node]] | None:
     """Where the graph computes the head again on what the last call hands on (a model's final norm:
     the same ops and constants, other weights), (its head operands, its frontier's nodes); else None.
-    Its operands must exist before the call, and nothing up to it may write them."""
+    Its operands must exist before the call, and nothing up to it may write them or the call's result."""
     graph = call.graph
     inputs = list(body.graph.find_nodes(op="placeholder"))
     env: dict[fx.Node, fx.Node] = {}
@@ -217,7 +217,7 @@ def _head_after(call: fx.Node, body: fx.GraphModule, carried: dict[int, int], he
     order = {n: i for i, n in enumerate(graph.nodes)}
     if any(not isinstance(a, fx.Node) or order[a] > order[call] for a in operands):
         return None
-    read = {storage(a) for a in operands} - {None}
+    read = {storage(a) for a in [*operands, *(env[inputs[j]] for j in carried)]} - {None}
     end = max(order[env[n]] for n in head)
     if any(order[call] <= order[n] <= end and is_mutation(n) and written_storages(n) & read for n in graph.nodes):
         return None
