@@ -283,6 +283,16 @@ def region_written_operands(node: fx.Node) -> list[fx.Node]:
     return [a for i, a in enumerate(region_operands(node)) if i in written and isinstance(a, fx.Node)]
 
 
+def copy_nodes(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, Any]) -> None:
+    """Copy `nodes` of another graph into `graph` at its insert point, their inputs read through `env`,
+    which gains the copies. Each copy's value is computed from its inputs' (a copied value would be of
+    the other graph's tensors)."""
+    for n in nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+        env[n].meta = {k: v for k, v in n.meta.items() if k != "val"}
+        set_val(env[n])
+
+
 def inline_region(node: fx.Node) -> bool:
     """Replace a region call by a copy of its body, in place, each copied node's value computed from
     the call's operands (the body's values are of its own placeholders, whose storages are not the
@@ -294,11 +304,7 @@ def inline_region(node: fx.Node) -> bool:
     graph = node.graph
     env: dict[fx.Node, Any] = dict(zip(body.graph.find_nodes(op="placeholder"), region_operands(node)))
     with graph.inserting_before(node):
-        for n in body.graph.nodes:
-            if n.op not in ("placeholder", "output"):
-                env[n] = graph.node_copy(n, env.__getitem__)
-                env[n].meta = {k: v for k, v in n.meta.items() if k != "val"}
-                set_val(env[n])
+        copy_nodes(graph, [n for n in body.graph.nodes if n.op not in ("placeholder", "output")], env)
     results = fx.node.map_arg(body.graph.output_node().args[0], env.__getitem__)
     for user in list(node.users):
         user.replace_all_uses_with(results[user.args[1]])

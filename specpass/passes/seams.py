@@ -35,8 +35,8 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from specpass.graph import (REGION, is_mutation, region_body, region_operands, region_written_inputs, set_val,
-                            storage, val, written_storages)
+from specpass.graph import (REGION, copy_nodes, fake_mode, is_mutation, is_region_call, region_body, region_operands,
+                            region_written_inputs, set_val, storage, val, written_storages)
 from specpass.options import Options
 from specpass.report import Finding, node_matmul_flops
 
@@ -46,7 +46,7 @@ NAME = "seams"
 def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
     calls_of: dict[str, list[fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is REGION:
+        if is_region_call(node):
             calls_of[node.args[0].target].append(node)
     findings = []
     for name, calls in calls_of.items():
@@ -54,7 +54,7 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
         if not any(links.values()):
             continue  # no call hands its result to the next: not a candidate
         where = ", ".join(c.name for c in calls)
-        plan = _plan(gm, name, calls, links)
+        plan = _plan(gm, calls, links)
         if isinstance(plan, str):
             findings.append(Finding(NAME, where, False, plan))
             continue
@@ -74,7 +74,7 @@ def _next_call(call: fx.Node, calls: list[fx.Node]) -> tuple[fx.Node, dict[int, 
     return readers[0] if len(readers) == 1 else None
 
 
-def _plan(gm: fx.GraphModule, name: str, calls: list[fx.Node], links: dict) -> tuple | str:
+def _plan(gm: fx.GraphModule, calls: list[fx.Node], links: dict) -> tuple | str:
     """(carried {operand: result}, head nodes, frontier, head operand indices), or why not."""
     body = region_body(calls[0])
     carries = {tuple(sorted(link[1].items())) for link in links.values() if link}
@@ -100,6 +100,7 @@ def _plan(gm: fx.GraphModule, name: str, calls: list[fx.Node], links: dict) -> t
     head_inputs = sorted({inputs.index(a) for n in head for a in n.all_input_nodes
                           if a.op == "placeholder" and inputs.index(a) not in carried})
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    mutations = [n for n in gm.graph.nodes if is_mutation(n)]
     for call in calls:
         link = links[call]
         if link is None:
@@ -111,8 +112,7 @@ def _plan(gm: fx.GraphModule, name: str, calls: list[fx.Node], links: dict) -> t
             return (f"{nxt.name}'s head reads {late[0].name}, made after {call.name}: the head cannot move into "
                     f"{call.name}'s body")
         read = {storage(a) for a in operands if isinstance(a, fx.Node)} - {None}
-        between = [n for n in gm.graph.nodes if order[call] <= order[n] < order[nxt] and is_mutation(n)]
-        written = [n for n in between if written_storages(n) & read]
+        written = [n for n in mutations if order[call] <= order[n] < order[nxt] and written_storages(n) & read]
         if written:
             return f"{written[0].name} writes what {nxt.name}'s head reads, before {nxt.name}: the head cannot move"
     return carried, head, frontier, head_inputs
@@ -249,10 +249,7 @@ def _inline_head(graph: fx.Graph, body: fx.GraphModule, call: fx.Node, head: lis
     """The head of the first call of a chain, copied into the graph before it: its frontier's nodes."""
     env = dict(zip(body.graph.find_nodes(op="placeholder"), region_operands(call)))
     with graph.inserting_before(call):
-        for n in head:
-            env[n] = graph.node_copy(n, env.__getitem__)
-            env[n].meta = {k: v for k, v in n.meta.items() if k != "val"}
-            set_val(env[n])
+        copy_nodes(graph, head, env)
     return [env[n] for n in frontier]
 
 
@@ -269,7 +266,7 @@ def _rotated(body: fx.GraphModule, carried: dict[int, int], head: list[fx.Node],
     for n in frontier:
         env[n] = graph.placeholder(f"{n.name}_in")
         env[n].meta = dict(n.meta)
-    mode = val(inputs[min(carried)]).fake_mode
+    mode = fake_mode(body.graph)
     nxt = {}
     for j in head_inputs:
         p = inputs[j]
@@ -285,10 +282,7 @@ def _rotated(body: fx.GraphModule, carried: dict[int, int], head: list[fx.Node],
             env[n] = graph.node_copy(n, env.__getitem__)
     results = fx.node.map_arg(body.graph.output_node().args[0], env.__getitem__)
     head_env = {**nxt, **{inputs[j]: results[k] for j, k in carried.items()}}
-    for n in head:
-        head_env[n] = graph.node_copy(n, head_env.__getitem__)
-        head_env[n].meta = {k: v for k, v in n.meta.items() if k != "val"}
-        set_val(head_env[n])
+    copy_nodes(graph, head, head_env)
     graph.output((*results, *(head_env[n] for n in frontier)))
     return fx.GraphModule(body, graph, class_name=type(body).__name__)
 
