@@ -28,7 +28,9 @@ K = 4 for every loop, and each K of --k-sweep for eagle3/, parallel/ and dflash/
 for the swept EAGLE-3 variant; with --tuned, the loop's own choice for the EAGLE-3 head and for the
 block draft (`Decoder.tune_k` among plain decoding, each --tune-ks K (the chain's search around them)
 and, for the EAGLE-3 head, the --trees shapes, before the timed runs: rounds timed on the first batch,
-acceptance measured on every batch; its "compile s" includes the tuning). With --batches N each
+acceptance measured on every batch; its "compile s" includes the tuning). With --pdl each of our
+loop's variants also runs compiled with `specpass.backend(pdl=True)` (Inductor's programmatic
+dependent launch), as VARIANT+pdl beside it; the lean baseline runs as gpt-fast runs it. With --batches N each
 timed pass generates N batches of bs prompts in turn (the next held-out prompts each) and pools
 them. "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
 in every variant, HF's too) included; "decode tokens/s" counts the rounds alone (our loops).
@@ -309,6 +311,11 @@ def sweep(args, save) -> list[dict]:
             if f"{drafter}/{loop}" in (SWEPT[0], SWEPT[2]):  # the chain head's and the block draft's own choice
                 tuned += [(f"{drafter}/{loop}/tuned", drafter, compile, fused, TUNED)] * args.tuned
     loops += tuned  # last: they compile the most, and --stop-after drops them first
+    if args.pdl:  # each loop again beside itself, compiled with PDL; the lean baseline as gpt-fast has it
+        import specpass
+        pdl = specpass.backend(pdl=True)
+        loops = [v for loop in loops for v in [loop] + ([(f"{loop[0]}+pdl", loop[1], pdl, *loop[3:])]
+                                                       if loop[2] == "specpass" else [])]
     for bs in args.bs:
         batches = bench.batches(bs)
         results = bench.run_loops(batches, loops)
@@ -505,6 +512,9 @@ def main() -> None:
     parser.add_argument("--inline", action="store_true",
                         help="compile every layer inline in each step (Decoder(regional=False)): a layer's residual "
                              "add fuses with the next layer's norm, at more compile time")
+    parser.add_argument("--pdl", action="store_true",
+                        help="also run each of the loop's variants compiled with specpass.backend(pdl=True) "
+                             "(Inductor's programmatic dependent launch), as '<variant>+pdl'")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip plain decoding in the greedy sweep (agree then compares with the first variant)")
     parser.add_argument("--trees", default=[], type=harness.tree_shapes, metavar="TOPK,STEPS,TOKENS;...",

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.fx as fx
 
 from specpass import compile_cache
@@ -64,6 +65,8 @@ def backend(**options: Any) -> Callable[..., Callable]:
         opts = Options.make(**{**dataclasses.asdict(base), **ours}) if ours else base
         if opts.exact:  # each op's result rounded as eager rounds it, no fused multiply-add: fusions change no bits
             inductor_options.setdefault("emulate_precision_casts", True)
+        if opts.pdl and hasattr(inductor_config.triton, "enable_pdl"):
+            inductor_options.setdefault("triton.enable_pdl", True)
         handoff = _handoff(opts.handoff, mode, inductor_options)
         fallback = _refuse_inexact(name) if opts.exact else warn
 

@@ -283,6 +283,15 @@ def region_written_operands(node: fx.Node) -> list[fx.Node]:
     return [a for i, a in enumerate(region_operands(node)) if i in written and isinstance(a, fx.Node)]
 
 
+def free_attr_name(gm: fx.GraphModule, base: str) -> str:
+    """`base`, or `base_1`, `base_2`, ..., the first that names no attribute of `gm` (a new body)."""
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
 def copy_nodes(graph: fx.Graph, nodes: list[fx.Node], env: dict[fx.Node, Any]) -> None:
     """Copy `nodes` of another graph into `graph` at its insert point, their inputs read through `env`,
     which gains the copies. Each copy's value is computed from its inputs' (a copied value would be of

@@ -22,6 +22,9 @@ class Options:
     # Repeated layers compiled once: the next layer's head (its norm) moves into each layer's body,
     # so that Inductor fuses it with the residual add that ends the layer (one kernel per seam).
     seams: bool = True
+    # An attention's boolean mask converted to the additive mask its kernel reads once, where the
+    # mask is made, instead of inside every attention call (in every layer's body).
+    masks: bool = True
     # live_rows: also gather attention's query rows (exact with K/V read from the cache).
     # Off keeps the gather after attention, for kernels that need as many queries as K/V rows.
     q_slice: bool = True
@@ -44,6 +47,10 @@ class Options:
     exact: bool = False
     # Backend only: "inductor" compiles the rewritten graph, "eager" runs it as is.
     handoff: str = "inductor"
+    # Backend only: Inductor's programmatic dependent launch (`triton.enable_pdl`, where this torch
+    # has it; Inductor emits it on sm90 and newer): a Triton kernel launches while the one before it
+    # ends and waits for its results in the kernel, which hides part of each launch's latency.
+    pdl: bool = False
 
     @classmethod
     def names(cls) -> list[str]:

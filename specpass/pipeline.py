@@ -31,7 +31,7 @@ from specpass.capture import capture
 from specpass.graph import (SCALAR_READS, emit, is_impure, is_mutation, is_region_call, make_local_writes_functional,
                             region_body, region_operands, same_shape, storage, written_storages)
 from specpass.options import Options
-from specpass.passes import argmax, exact, gqa, live_rows, seams, split_kv, topk_sort
+from specpass.passes import argmax, exact, gqa, live_rows, masks, seams, split_kv, topk_sort
 from specpass.report import Finding, Report, graph_matmul_flops
 
 Pass = Callable[[fx.GraphModule, Options], list[Finding]]
@@ -45,8 +45,12 @@ PASSES: list[tuple[str, Pass]] = [
     ("topk_sort", topk_sort.run),  # after argmax: the exact top-k it emits
     ("exact", exact.run),  # off unless asked; last: it routes what the others emit
 ]
-# After each region body is rewritten (`_rewrite_bodies`): it regroups the calls of final bodies.
-AFTER_BODIES: list[tuple[str, Pass]] = [("seams", seams.run)]
+# On the graph that calls the region bodies, after each is rewritten (`_rewrite_bodies`): they
+# regroup the calls of final bodies and what the calls hand them.
+AFTER_BODIES: list[tuple[str, Pass]] = [
+    ("seams", seams.run),
+    ("masks", masks.run),  # after seams: the bodies and calls it leaves are the final ones
+]
 
 
 @dataclasses.dataclass
@@ -65,7 +69,8 @@ def explain(fn: Callable, *args: Any, **kwargs: Any) -> Report:
     return rewrite(capture(fn, *args, **kwargs)).report
 
 
-def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
+def run_passes(gm: fx.GraphModule, options: Options, *, body: bool = False) -> RewriteResult:
+    """`body`: `gm` is a region body; the AFTER_BODIES passes run on the graph that calls it."""
     report = Report()
     with report.timed("prepare/copy"):
         current = _copy(gm)
@@ -79,7 +84,7 @@ def run_passes(gm: fx.GraphModule, options: Options) -> RewriteResult:
         current = _run_pass(name, run, current, options, report)
     _keep_dense_outputs(current, dense)
     current = _rewrite_bodies(current, options, report)
-    for name, run in AFTER_BODIES:
+    for name, run in [] if body else AFTER_BODIES:
         current = _run_pass(name, run, current, options, report)
     with report.timed("report/flops"):
         report.matmul_flops = (graph_matmul_flops(gm), graph_matmul_flops(current))
@@ -135,7 +140,7 @@ def _rewrite_bodies(gm: fx.GraphModule, options: Options, report: Report) -> fx.
         return gm
     rewritten = _copy(gm)  # the body attributes are set on a copy: `gm` keeps the bodies as captured
     for name, count in calls.items():
-        result = run_passes(operator.attrgetter(name)(gm), options)
+        result = run_passes(operator.attrgetter(name)(gm), options, body=True)
         setattr(rewritten, name, result.graph_module)
         report.findings += [dataclasses.replace(f, where=", ".join(f"{name}.{n}" for n in f.nodes),
                                                 calls=count * max(f.calls, 1))

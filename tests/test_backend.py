@@ -107,6 +107,25 @@ def test_mode_and_options_are_handed_to_inductor(form, given, handed, device, mo
     assert ran_with == [given.get("options", {}).get("q_slice", True)], ran_with
 
 
+def test_pdl_turns_on_inductors_programmatic_dependent_launch(monkeypatch):
+    """pdl=True hands Inductor `triton.enable_pdl` (which it emits on sm90 and newer), unless the
+    user's own options= set it; off by default."""
+    handed = []
+
+    class InductorSpy(torch._TorchCompileInductorWrapper):
+        def __init__(self, mode, options, dynamic):
+            handed.append(options)
+            super().__init__(mode, options, dynamic)
+
+    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", InductorSpy)
+    model, tokens, positions = _toy()
+    for backend, options in [(specpass.backend(pdl=True), None), (specpass.backend(), None),
+                             (specpass.backend(pdl=True), {"triton.enable_pdl": False})]:
+        torch._dynamo.reset()
+        _run(model, backend, tokens, positions, options=options)
+    assert handed == [{"triton.enable_pdl": True}, None, {"triton.enable_pdl": False}], handed
+
+
 def test_inductor_options_are_forwarded_and_validated():
     model, tokens, positions = _toy()
     with pytest.raises(Exception, match="not_an_inductor_option"):

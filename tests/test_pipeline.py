@@ -105,11 +105,12 @@ def retarget_lm_head(gm, options):
 
 
 class TestPipeline(expecttest.TestCase):
-    def setUp(self):
-        self._passes = pipeline.PASSES
+    def setUp(self):  # each test runs the passes it names, alone
+        self._passes, self._after_bodies = pipeline.PASSES, pipeline.AFTER_BODIES
+        pipeline.AFTER_BODIES = []
 
     def tearDown(self):
-        pipeline.PASSES = self._passes
+        pipeline.PASSES, pipeline.AFTER_BODIES = self._passes, self._after_bodies
 
     def test_rewrite_returns_a_new_graph_and_leaves_the_input_alone(self):
         pipeline.PASSES = [("live_rows", silu_to_sigmoid)]
@@ -205,13 +206,14 @@ class TestPipeline(expecttest.TestCase):
         """The preparation and every pass propagate incrementally (from the captured values on);
         a full propagation of the result computes the same values, aliases included. The toy step
         (two batch shapes) and the zoo heads' catch-up steps (MLA, MoE, a standalone draft)."""
+        every = (self._passes, self._after_bodies)
         captured = [(passes, _captured(batch, T)) for passes, (batch, T) in itertools.product(
-            [self._passes, [("live_rows", copy_after_transpose)]], [(2, 4), (1, 3)])]
+            [every, ([("live_rows", copy_after_transpose)], [])], [(2, 4), (1, 3)])]
         for name in HEADS:
             model, inputs = _catch_up(name)
-            captured.append((self._passes, specpass.capture(model.catch_up, *inputs)))
-        for passes, gm in captured:
-            pipeline.PASSES = passes
+            captured.append((every, specpass.capture(model.catch_up, *inputs)))
+        for (passes, after_bodies), gm in captured:
+            pipeline.PASSES, pipeline.AFTER_BODIES = passes, after_bodies
             result = specpass.rewrite(gm)
             self.assertTrue(result.report.rewrites)  # values downstream of the edits changed
             gm = result.graph_module

@@ -35,8 +35,8 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from specpass.graph import (REGION, copy_nodes, fake_mode, is_mutation, is_region_call, region_body, region_operands,
-                            region_written_inputs, set_val, storage, val, written_storages)
+from specpass.graph import (REGION, copy_nodes, fake_mode, free_attr_name, is_mutation, is_region_call, region_body,
+                            region_operands, region_written_inputs, set_val, storage, val, written_storages)
 from specpass.options import Options
 from specpass.report import Finding, node_matmul_flops
 
@@ -149,7 +149,7 @@ def _rewrite(gm: fx.GraphModule, name: str, calls: list[fx.Node], links: dict, c
              head: list[fx.Node], frontier: list[fx.Node], head_inputs: list[int]) -> str:
     body = region_body(calls[0])
     rotated = _rotated(body, carried, head, frontier, head_inputs)
-    new_name = _free_name(gm, f"{name}_seams")
+    new_name = free_attr_name(gm, f"{name}_seams")
     gm.add_submodule(new_name, rotated)
     identifier = f"{calls[0].args[1]}_seams"
     graph = gm.graph
@@ -285,11 +285,3 @@ def _rotated(body: fx.GraphModule, carried: dict[int, int], head: list[fx.Node],
     copy_nodes(graph, head, head_env)
     graph.output((*results, *(head_env[n] for n in frontier)))
     return fx.GraphModule(body, graph, class_name=type(body).__name__)
-
-
-def _free_name(gm: fx.GraphModule, base: str) -> str:
-    name, i = base, 0
-    while hasattr(gm, name):
-        i += 1
-        name = f"{base}_{i}"
-    return name
