@@ -13,7 +13,7 @@ from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 aten = torch.ops.aten
 
@@ -281,6 +281,24 @@ def region_written_inputs(body: fx.GraphModule) -> frozenset[int]:
 def region_written_operands(node: fx.Node) -> list[fx.Node]:
     written = region_written_inputs(region_body(node))
     return [a for i, a in enumerate(region_operands(node)) if i in written and isinstance(a, fx.Node)]
+
+
+def args_match(mine: Any, theirs: Any, env: dict[fx.Node, Any], free: Any = ()) -> bool:
+    """Do two argument trees match, leaf for leaf: constants equal (and of one type), a node of `mine`
+    mapped by `env` to the node in its place? A node of `free` that `env` does not map yet is mapped to
+    the node in its place (`env` grows)."""
+    (leaves, spec), (other_leaves, other_spec) = tree_flatten(mine), tree_flatten(theirs)
+    if spec != other_spec:
+        return False
+    for a, b in zip(leaves, other_leaves):
+        if isinstance(a, fx.Node):
+            if a not in env and a in free and isinstance(b, fx.Node):
+                env[a] = b
+            if a not in env or env[a] is not b:
+                return False
+        elif isinstance(b, fx.Node) or type(a) is not type(b) or a != b:
+            return False
+    return True
 
 
 def free_attr_name(gm: fx.GraphModule, base: str) -> str:

@@ -1,5 +1,6 @@
 """Test helpers: a normalised, shape-annotated print of the IR, for `assertExpectedInline`
-graph-diff tests, and `full_row_matmuls` for checks of the live-row ideal.
+graph-diff tests, `full_row_matmuls` for checks of the live-row ideal, and `Recorder`, a backend
+that keeps the graphs it compiled.
 
     x: f32[2, 4, 32]
     linear: f32[2, 4, 32] = linear(x, q_proj_weight)
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from specpass.compile_backend import backend
 from specpass.graph import is_mutation
 
 _DTYPES = {
@@ -120,3 +122,19 @@ _CONTRACTED = {  # op -> the operands whose every row it reads for each output r
 def calls_rewritten(lines: list[str]) -> int:
     """How many calls the printed findings cover: one each, a region body's the calls that run it."""
     return sum(int(m.group(1)) if (m := re.search(r"a region body: (\d+) calls? run it", line)) else 1 for line in lines)
+
+
+class Recorder:
+    """specpass's backend, the rewritten graph run as it is (handoff="eager"), keeping what Dynamo
+    handed it (`dynamo`) and what the passes returned (`rewritten`), one per graph compiled."""
+
+    def __init__(self, **options: Any):
+        self.dynamo: list[fx.GraphModule] = []
+        self.rewritten: list[fx.GraphModule] = []
+        self.inner = backend(handoff="eager", **options)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+        self.dynamo.append(gm)
+        compiled = self.inner(gm, example_inputs, **kwargs)
+        self.rewritten.append(compiled)
+        return compiled

@@ -12,7 +12,7 @@ import specpass
 from specpass.compile_backend import collecting_reports
 from specpass.graph import is_region_call
 from specpass.passes import masks
-from specpass.testing import graph_str
+from specpass.testing import Recorder, graph_str
 
 D, HEADS = 8, 2
 
@@ -51,16 +51,6 @@ class Stack(nn.Module):
             if mode == "written":
                 mask[..., 0] = ~mask[..., 0]
         return h
-
-
-class Recorder:
-    def __init__(self, **options):
-        self.rewritten, self.inner = [], specpass.backend(handoff="eager", **options)
-
-    def __call__(self, gm, example_inputs, **kwargs):
-        compiled = self.inner(gm, example_inputs, **kwargs)
-        self.rewritten.append(compiled)
-        return compiled
 
 
 H, LENGTHS = torch.randn(2, 4, D), torch.tensor([4, 2])
@@ -134,7 +124,7 @@ reshape: f32[2, 4, 8] = reshape(transpose_1, [2, 4, 8])
 add: f32[2, 4, 8] = add.Tensor(arg0_1, reshape)
 return (add,)""")
         self.assertExpectedInline(found(report), """\
-[masks] rewrote repeated_subgraph0.scaled_dot_product_attention: the boolean mask converted once (scalar_tensor, where) to the torch.float32 mask the kernel reads, before the body's 2 calls (once per mask, not in each call)
+[masks] rewrote repeated_subgraph0.scaled_dot_product_attention: the boolean mask converted once (scalar_tensor, where) to the torch.float32 mask the kernel reads, outside the body, for its 2 calls
 [masks] rewrote scaled_dot_product_attention: the boolean mask converted once (scalar_tensor, where) to the torch.float32 mask the kernel reads, shared by the 3 attention calls that read the mask""")
 
     def test_inline_layers_share_one_conversion(self):

@@ -15,6 +15,7 @@ from models.llama import Llama, LlamaConfig
 from specpass.compile_backend import SpecpassWarning
 from specpass.graph import is_region_call
 from specpass.loop import Decoder
+from specpass.testing import Recorder
 
 PROMPTS = [[3, 14, 15], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]
 NEW, MAX_LEN = 12, 40
@@ -25,21 +26,6 @@ def tiny_llama(layers: int) -> Llama:
     config = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     return Llama(config).eval()
-
-
-class Recorder:
-    """specpass's backend (the rewritten graph run eagerly) that keeps what Dynamo handed it and what
-    the passes returned."""
-
-    def __init__(self):
-        self.dynamo, self.rewritten = [], []
-        self.inner = specpass.backend(handoff="eager")
-
-    def __call__(self, gm, example_inputs, **kwargs):
-        self.dynamo.append(gm)
-        compiled = self.inner(gm, example_inputs, **kwargs)
-        self.rewritten.append(compiled)
-        return compiled
 
 
 def bodies(gms) -> list[tuple[str, ...]]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import specpass
 from specpass.compile_backend import collecting_reports
-from specpass.testing import graph_str
+from specpass.testing import Recorder, graph_str
 
 D = 8
 
@@ -48,16 +48,6 @@ class Stack(nn.Module):
             else:
                 h = layer(h)
         return F.rms_norm(h, [D], None if mode == "bare_end" else self.final, 1e-6)
-
-
-class Recorder:
-    def __init__(self, **options):
-        self.rewritten, self.inner = [], specpass.backend(handoff="eager", **options)
-
-    def __call__(self, gm, example_inputs, **kwargs):
-        compiled = self.inner(gm, example_inputs, **kwargs)
-        self.rewritten.append(compiled)
-        return compiled
 
 
 def compile_stack(mode="plain", blocks=3, **options):

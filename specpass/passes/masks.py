@@ -35,8 +35,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from specpass.graph import (bind, copy_nodes, fake_mode, free_attr_name, is_region_call, is_written_in_place,
-                            region_body, region_operands, same_shape, storage, val)
+from specpass.graph import (args_match, bind, copy_nodes, fake_mode, free_attr_name, is_region_call,
+                            is_written_in_place, region_body, region_operands, same_shape, storage, val)
 from specpass.options import Options
 from specpass.report import Finding
 
@@ -127,8 +127,8 @@ def _plan_body(name: str, calls: list[fx.Node], mask_inputs: dict[int, list[fx.N
             for call in calls:
                 _check_unwritten(region_operands(call)[i])
             plan[i] = next(iter(conversions.values()))
-            findings.append(Finding(NAME, where, True, f"{_said(plan[i])}, before the body's {len(calls)} calls "
-                                                       f"(once per mask, not in each call)"))
+            calls_said = "its one call" if len(calls) == 1 else f"its {len(calls)} calls"
+            findings.append(Finding(NAME, where, True, f"{_said(plan[i])}, outside the body, for {calls_said}"))
         except _Refuse as why:
             findings.append(Finding(NAME, where, False, str(why)))
     return plan
@@ -233,23 +233,10 @@ def _same_rest(traced: fx.GraphModule, conversion: _Conversion, again: fx.GraphM
     sizes = {conversion.mask: env[conversion.mask]}  # the converted mask has the boolean one's sizes
     env[conversion.result] = env.pop(conversion.mask)
     for a, b in zip(mine, theirs):
-        if a.op != b.op or a.target != b.target or not _same_args(
+        if a.op != b.op or a.target != b.target or not args_match(
                 (a.args, a.kwargs), (b.args, b.kwargs), {**env, **sizes} if a.target in _SIZES else env):
             return False
         env[a] = b
-    return True
-
-
-def _same_args(a: Any, b: Any, env: dict[fx.Node, fx.Node]) -> bool:
-    (leaves_a, spec_a), (leaves_b, spec_b) = (torch.utils._pytree.tree_flatten(x) for x in (a, b))
-    if spec_a != spec_b:
-        return False
-    for x, y in zip(leaves_a, leaves_b):
-        if isinstance(x, fx.Node):
-            if env.get(x) is not y:
-                return False
-        elif isinstance(y, fx.Node) or type(x) is not type(y) or x != y:
-            return False
     return True
 
 

@@ -35,8 +35,9 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from specpass.graph import (REGION, copy_nodes, fake_mode, free_attr_name, is_mutation, is_region_call, region_body,
-                            region_operands, region_written_inputs, set_val, storage, val, written_storages)
+from specpass.graph import (REGION, args_match, copy_nodes, fake_mode, free_attr_name, is_mutation, is_region_call,
+                            region_body, region_operands, region_written_inputs, set_val, storage, val,
+                            written_storages)
 from specpass.options import Options
 from specpass.report import Finding, node_matmul_flops
 
@@ -227,21 +228,8 @@ def _head_after(call: fx.Node, body: fx.GraphModule, carried: dict[int, int], he
 def _same_call(n: fx.Node, other: fx.Node, env: dict[fx.Node, fx.Node], inputs: list[fx.Node]) -> bool:
     """`other` computes `n` on the nodes `env` maps `n`'s inputs to; a body input not yet mapped is
     bound to `other`'s argument in its place (extends `env`)."""
-    if other.op != "call_function" or other.target != n.target:
-        return False
-    mine, theirs = torch.utils._pytree.tree_flatten((n.args, n.kwargs)), torch.utils._pytree.tree_flatten(
-        (other.args, other.kwargs))
-    if mine[1] != theirs[1]:
-        return False
-    for a, b in zip(mine[0], theirs[0]):
-        if isinstance(a, fx.Node):
-            if a not in env and a in inputs and isinstance(b, fx.Node):
-                env[a] = b
-            if a not in env or env[a] is not b:
-                return False
-        elif isinstance(b, fx.Node) or type(a) is not type(b) or a != b:
-            return False
-    return True
+    return other.op == "call_function" and other.target == n.target and \
+        args_match((n.args, n.kwargs), (other.args, other.kwargs), env, inputs)
 
 
 def _inline_head(graph: fx.Graph, body: fx.GraphModule, call: fx.Node, head: list[fx.Node],
