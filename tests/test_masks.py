@@ -211,3 +211,21 @@ def test_inductor_converts_the_mask_once():
             kernels[on] = sum("cpp_fused" in e.name for e in prof.events())
     assert kernels[False] - kernels[True] == 5, kernels
     assert torch.equal(outs[False], outs[True])
+
+
+def test_symbolic_sizes_stay_symbolic():
+    """With the batch and the sequence symbolic, torch's conversion is traced on the symbolic sizes:
+    the pass fires, pins no size (the pipeline would drop it), and a second shape runs the same
+    compiled graph with the model's values."""
+    torch._dynamo.reset()
+    model = Stack(3)
+    specpass.mark_repeated_blocks(model)
+    recorder = Recorder()
+    step = torch.compile(model, backend=recorder, fullgraph=True, dynamic=True)
+    with collecting_reports() as reports:
+        step(H, LENGTHS)
+    [(_, report)] = reports
+    assert [f.fired for f in report.of("masks")] == [True, True] and not report.errors, (found(report), report.errors)
+    h, lengths = torch.randn(3, 6, D), torch.tensor([6, 1, 3])
+    torch.testing.assert_close(step(h, lengths), model(h, lengths), rtol=0, atol=0)
+    assert len(recorder.rewritten) == 1  # no recompile
