@@ -313,9 +313,12 @@ def sweep(args, save) -> list[dict]:
     loops += tuned  # last: they compile the most, and --stop-after drops them first
     if args.pdl:  # each loop again beside itself, compiled with PDL; the lean baseline as gpt-fast has it
         import specpass
-        pdl = specpass.backend(pdl=True)
-        loops = [v for loop in loops for v in [loop] + ([(f"{loop[0]}+pdl", loop[1], pdl, *loop[3:])]
-                                                       if loop[2] == "specpass" else [])]
+        pdl, paired = specpass.backend(pdl=True), []
+        for name, drafter, compile, *rest in loops:
+            paired.append((name, drafter, compile, *rest))
+            if compile == "specpass":
+                paired.append((f"{name}+pdl", drafter, pdl, *rest))
+        loops = paired
     for bs in args.bs:
         batches = bench.batches(bs)
         results = bench.run_loops(batches, loops)

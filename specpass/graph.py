@@ -259,6 +259,15 @@ def region_body(node: fx.Node) -> fx.GraphModule:
     return operator.attrgetter(attr.target)(owner)
 
 
+def region_calls(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """The graph's region calls by the body they run (its attribute name), in graph order."""
+    calls: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if is_region_call(node):
+            calls.setdefault(node.args[0].target, []).append(node)
+    return calls
+
+
 def region_operands(node: fx.Node) -> tuple:
     return node.args[_OPERANDS:]
 

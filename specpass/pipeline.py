@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from specpass.capture import capture
 from specpass.graph import (SCALAR_READS, emit, is_impure, is_mutation, is_region_call, make_local_writes_functional,
-                            region_body, region_operands, same_shape, storage, written_storages)
+                            region_body, region_calls, region_operands, same_shape, storage, written_storages)
 from specpass.options import Options
 from specpass.passes import argmax, exact, gqa, live_rows, masks, seams, split_kv, topk_sort
 from specpass.report import Finding, Report, graph_matmul_flops
@@ -135,15 +135,15 @@ def _rewrite_bodies(gm: fx.GraphModule, options: Options, report: Report) -> fx.
     the same pipeline, serves every call. After the graph's own passes, so that a call they inlined
     (the live rows of the last layer) was a copy of the body as captured, rewritten with the graph
     around it. A body's findings are named `body.node`, once each, with how many calls run it (`calls`)."""
-    calls = Counter(n.args[0].target for n in gm.graph.nodes if is_region_call(n))
+    calls = region_calls(gm.graph)
     if not calls:
         return gm
     rewritten = _copy(gm)  # the body attributes are set on a copy: `gm` keeps the bodies as captured
-    for name, count in calls.items():
+    for name, body_calls in calls.items():
         result = run_passes(operator.attrgetter(name)(gm), options, body=True)
         setattr(rewritten, name, result.graph_module)
         report.findings += [dataclasses.replace(f, where=", ".join(f"{name}.{n}" for n in f.nodes),
-                                                calls=count * max(f.calls, 1))
+                                                calls=len(body_calls) * max(f.calls, 1))
                             for f in result.report.findings if f.where != "graph"]  # (notes on the step, not a body)
         report.errors += [f"{name}: {e}" for e in result.report.errors]
         for part, seconds in result.report.seconds.items():

@@ -80,11 +80,14 @@ def found(report):
 
 
 def calls_and_body(gm):
-    """The printed graph from the mask's conversion on, and the body the calls run."""
+    """The printed graph's mask and its conversion, the attention inline (the first layer, which
+    Dynamo traces apart), the calls; and the body the calls run."""
     lines = graph_str(gm).splitlines()
-    first = next(i for i, line in enumerate(lines) if " = lt.Tensor(" in line)
+    first, converted, calls = (next(i for i, line in enumerate(lines) if text in line)
+                               for text in (" = lt.Tensor(", " = where.self(", " = self."))
+    attention = [line for line in lines[converted:calls] if " = scaled_dot_product_attention(" in line]
     body = getattr(gm, gm.graph.find_nodes(op="get_attr")[0].target)
-    return "\n".join(lines[first:]), graph_str(body)
+    return "\n".join(lines[first:converted + 1] + attention + lines[calls:]), graph_str(body)
 
 
 class TestGraphs(expecttest.TestCase):
@@ -98,13 +101,7 @@ unsqueeze_2: b8[2, 1, 1, 4] = unsqueeze(unsqueeze_1, 2)
 scalar_tensor: f32[] = scalar_tensor(-inf, dtype=f32, device=cpu)
 scalar_tensor_1: f32[] = scalar_tensor(0.0, dtype=f32, layout=torch.strided, device=cpu)
 where: f32[2, 1, 1, 4] = where.self(unsqueeze_2, scalar_tensor_1, scalar_tensor)
-linear: f32[2, 4, 8] = linear(h, layers_0_w)
-view: f32[2, 4, 2, 4] = view(linear, [2, 4, 2, 4])
-transpose: f32[2, 2, 4, 4] = transpose.int(view, 1, 2)
 scaled_dot_product_attention: f32[2, 2, 4, 4] = scaled_dot_product_attention(transpose, transpose, transpose, where)
-transpose_1: f32[2, 4, 2, 4] = transpose.int(scaled_dot_product_attention, 1, 2)
-reshape: f32[2, 4, 8] = reshape(transpose_1, [2, 4, 8])
-add: f32[2, 4, 8] = add.Tensor(h, reshape)
 repeated_subgraph0_masks = self.repeated_subgraph0_masks
 invoke_subgraph: (f32[2, 4, 8]) = invoke_subgraph(repeated_subgraph0_masks, 'subgraph_1_masks', add, layers_1_w, where)
 getitem: f32[2, 4, 8] = getitem(invoke_subgraph, 0)

@@ -28,6 +28,7 @@ Order: after the bodies and the seams pass (the final calls).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -35,8 +36,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from specpass.graph import (args_match, bind, copy_nodes, fake_mode, free_attr_name, is_region_call,
-                            is_written_in_place, region_body, region_operands, same_shape, storage, val)
+from specpass.graph import (args_match, bind, copy_nodes, fake_mode, free_attr_name, is_mutation, region_body,
+                            region_calls, region_operands, same_shape, storage, val, written_storages)
 from specpass.options import Options
 from specpass.report import Finding
 
@@ -52,10 +53,7 @@ class _Refuse(Exception):
 
 
 def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
-    calls_of: dict[str, list[fx.Node]] = defaultdict(list)
-    for node in gm.graph.nodes:
-        if is_region_call(node):
-            calls_of[node.args[0].target].append(node)
+    calls_of = region_calls(gm.graph)
     attention = [n for n in gm.graph.nodes if _attends_under_bool_mask(n)]
     mask_inputs = {name: _mask_inputs(region_body(calls[0])) for name, calls in calls_of.items()}
 
@@ -67,9 +65,10 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
     findings: list[Finding] = []
     plans: dict[str, dict[int, _Conversion]] = {}
     every = readers(mask_inputs)
+    written = set().union(*(written_storages(n) for n in gm.graph.nodes if is_mutation(n)))  # the pass adds none
     for name, calls in calls_of.items():
         if any(every[region_operands(call)[i]] > 1 for call in calls for i in mask_inputs[name]):
-            plans[name] = _plan_body(name, calls, mask_inputs[name], findings)
+            plans[name] = _plan_body(name, calls, mask_inputs[name], written, findings)
     shared = readers(plans)  # read once, a mask is converted once as it is: not a candidate
     converted: dict[tuple, fx.Node] = {}  # (mask node, conversion) -> the converted mask
     for node in attention:
@@ -77,8 +76,8 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
         if shared[mask] < 2:
             continue
         try:
+            _check_unwritten(mask, written)
             conversion = _conversion(node, mask)
-            _check_unwritten(mask)
             m = _converted(gm.graph, mask, conversion, converted)
             node.update_kwarg("attn_mask", m) if "attn_mask" in node.kwargs else node.update_arg(3, m)
             findings.append(Finding(NAME, node.name, True, f"{_said(conversion)}, shared by the {shared[mask]} "
@@ -108,7 +107,7 @@ def _mask_inputs(body: fx.GraphModule) -> dict[int, list[fx.Node]]:
     return dict(readers)
 
 
-def _plan_body(name: str, calls: list[fx.Node], mask_inputs: dict[int, list[fx.Node]],
+def _plan_body(name: str, calls: list[fx.Node], mask_inputs: dict[int, list[fx.Node]], written: set,
                findings: list[Finding]) -> dict[int, "_Conversion"]:
     """{input index: its conversion} for each boolean mask input of the body that its attention
     calls read alone and convert alike, and that no call's operand has written; a finding each."""
@@ -121,11 +120,11 @@ def _plan_body(name: str, calls: list[fx.Node], mask_inputs: dict[int, list[fx.N
             if len(attention) != len(p.users):
                 other = next(u for u in p.users if u not in attention)
                 raise _Refuse(f"the body also reads its mask input {p.name} in {other.name}: it stays an input")
+            for call in calls:
+                _check_unwritten(region_operands(call)[i], written)
             conversions = {_signature(c): c for c in (_conversion(a, p) for a in attention)}
             if len(conversions) > 1:
                 raise _Refuse(f"the body's attention calls convert its mask input {p.name} differently")
-            for call in calls:
-                _check_unwritten(region_operands(call)[i])
             plan[i] = next(iter(conversions.values()))
             calls_said = "its one call" if len(calls) == 1 else f"its {len(calls)} calls"
             findings.append(Finding(NAME, where, True, f"{_said(plan[i])}, outside the body, for {calls_said}"))
@@ -168,12 +167,18 @@ def _retyped(body: fx.GraphModule, plans: dict[int, "_Conversion"]) -> fx.GraphM
     return fx.GraphModule(body, graph, class_name=type(body).__name__)
 
 
+@dataclasses.dataclass(frozen=True)
 class _Conversion:
     """The ops torch's decomposition of one attention call applies to its mask alone (`nodes`, of a
-    traced graph whose mask placeholder is `mask`), ending in `result`; `value`: its fake value."""
+    traced graph whose mask placeholder is `mask`), ending in `result`."""
 
-    def __init__(self, mask: fx.Node, nodes: list[fx.Node], result: fx.Node):
-        self.mask, self.nodes, self.result, self.value = mask, nodes, result, val(result)
+    mask: fx.Node
+    nodes: list[fx.Node]
+    result: fx.Node
+
+    @property
+    def value(self) -> torch.Tensor:
+        return val(self.result)
 
 
 def _conversion(node: fx.Node, mask: fx.Node) -> _Conversion:
@@ -247,10 +252,11 @@ def _signature(conversion: _Conversion) -> tuple:
     return tuple((n.target, str(torch.utils._pytree.tree_map(number, (n.args, n.kwargs)))) for n in conversion.nodes)
 
 
-def _check_unwritten(mask: Any) -> None:
+def _check_unwritten(mask: Any, written: set) -> None:
+    """`written`: the storages the graph's in-place ops write."""
     if not isinstance(mask, fx.Node):
         raise _Refuse("the mask is not a tensor of the graph")
-    if is_written_in_place(mask):
+    if storage(mask) in written:
         raise _Refuse(f"the mask {mask.name} is written in place: a converted copy would go stale")
 
 

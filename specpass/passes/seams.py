@@ -30,14 +30,12 @@ two bodies to compile. Candidate: a body one of whose calls hands a result to th
 from __future__ import annotations
 
 import operator
-from collections import defaultdict
 
 import torch
 import torch.fx as fx
 
-from specpass.graph import (REGION, args_match, copy_nodes, fake_mode, free_attr_name, is_mutation, is_region_call,
-                            region_body, region_operands, region_written_inputs, set_val, storage, val,
-                            written_storages)
+from specpass.graph import (REGION, args_match, copy_nodes, fake_mode, free_attr_name, is_mutation, region_body,
+                            region_calls, region_operands, region_written_inputs, set_val, storage, val, written_storages)
 from specpass.options import Options
 from specpass.report import Finding, node_matmul_flops
 
@@ -45,12 +43,8 @@ NAME = "seams"
 
 
 def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
-    calls_of: dict[str, list[fx.Node]] = defaultdict(list)
-    for node in gm.graph.nodes:
-        if is_region_call(node):
-            calls_of[node.args[0].target].append(node)
     findings = []
-    for name, calls in calls_of.items():
+    for name, calls in region_calls(gm.graph).items():
         links = {call: _next_call(call, calls) for call in calls}
         if not any(links.values()):
             continue  # no call hands its result to the next: not a candidate
