@@ -267,7 +267,8 @@ def pooled(runs: list):
 def kernels_per_round(decoder, prompts, new: int, sampling: dict) -> dict:
     """One more generate under torch.profiler: the GPU kernels per round (a round's CUDA graph
     replays its kernels; prefill's few, eager, are counted in and spread over the rounds), their
-    summed time per round, and the 30 most frequent kernels (name, launches and us per round)."""
+    summed time per round, the 30 most frequent kernels (name, launches and us per round), and the
+    GPU's idle time between them (`gaps`)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -277,7 +278,35 @@ def kernels_per_round(decoder, prompts, new: int, sampling: dict) -> dict:
     top = sorted(kernels, key=lambda e: -e.count)[:30]
     return dict(rounds=rounds, kernels=per_round(sum(e.count for e in kernels)),
                 us=per_round(sum(e.device_time_total for e in kernels)),
-                top=[(e.key[:90], per_round(e.count), per_round(e.device_time_total)) for e in top])
+                top=[(e.key[:90], per_round(e.count), per_round(e.device_time_total)) for e in top],
+                gaps=gaps_per_round(prof, rounds))
+
+
+def profiled(profile: dict | None) -> str:
+    """A profile's figures a round, for the log line (empty without one)."""
+    if not profile:
+        return ""
+    gaps = profile["gaps"]
+    return (f"; a round: {profile['kernels']} kernels, {profile['us']} us on the GPU, idle {gaps['idle_us']} us "
+            f"({gaps['long']} gaps >= 5 us: {gaps['long_us']} us, longest {gaps['longest_us']} us)")
+
+
+def gaps_per_round(prof, rounds: int, long_us: float = 5.0) -> dict:
+    """The GPU's idle time between consecutive device activities (kernels, copies), over the middle
+    80% of them (the rounds, not the prefill's eager kernels nor the end), per round: all of it, the
+    gaps of `long_us` or more (a launch from the host: a graph's, a copy's) and the longest one."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    window = spans[len(spans) // 10: len(spans) * 9 // 10]
+    if len(window) < 2:
+        raise ValueError(f"{len(spans)} device activities profiled: too few to measure gaps (profile a GPU run)")
+    gaps, busy_until = [], window[0][1]
+    for start, end in window[1:]:  # idle: no activity running, whichever ran longest (streams overlap)
+        gaps.append(max(0.0, start - busy_until))
+        busy_until = max(busy_until, end)
+    share = rounds * len(window) / max(len(spans), 1)  # rounds the window covers
+    long = [g for g in gaps if g >= long_us]
+    return dict(idle_us=round(sum(gaps) / share, 1), long=round(len(long) / share, 2),
+                long_us=round(sum(long) / share, 1), longest_us=round(max(gaps, default=0.0), 1))
 
 
 def sweep(args, save) -> list[dict]:
@@ -296,8 +325,8 @@ def sweep(args, save) -> list[dict]:
         rows.append(row)
         save(rows)
         print(f"  bs {bs} k {k} {variant}: {row['tokens_per_s']:.0f} tok/s, accept {row['accept_length']}, "
-              f"round {row['round_ms']} ms, compile {row['compile_s']:.0f} s, agree {agree} ({prefix:.2f})",
-              file=sys.stderr)
+              f"round {row['round_ms']} ms, compile {row['compile_s']:.0f} s, agree {agree} ({prefix:.2f})"
+              + profiled(row.get("profile")), file=sys.stderr)
 
     loops = [] if args.no_plain else [("plain", None, "specpass", True, 0), ("lean", None, "lean", True, 0)]
     tuned = []
@@ -366,10 +395,9 @@ def sweep_sampling(args, save) -> list[dict]:
                               **{key: v for key, v in r.items() if key != "tokens"}).asdict()
                 rows.append(row)
                 save(rows)
-                profiled = f", {r['profile']['kernels']} kernels {r['profile']['us']} us per round" if "profile" in r else ""
                 print(f"  bs {bs} T {temperature} p {top_p} k {k} {variant}: {row['tokens_per_s']:.0f} tok/s, "
                       f"accept {row['accept_length']}, round {row['round_ms']:.3f} ms "
-                      f"({ratio(row['round_vs_greedy'])} greedy){profiled}", file=sys.stderr)
+                      f"({ratio(row['round_vs_greedy'])} greedy)" + profiled(r.get("profile")), file=sys.stderr)
         bench.decoders.clear()
         torch.compiler.reset()
     return rows
@@ -544,7 +572,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke test: few tokens, one batch size, K 2")
     parser.add_argument("--out", type=Path, help="merge the rows into this JSON file")
     parser.add_argument("--profile", action="store_true",
-                        help="CUDA: also profile one generate per variant: kernels and GPU us per round")
+                        help="CUDA: also profile one generate per variant: kernels, GPU us and idle gaps per round")
     parser.add_argument("--plot", type=Path, help="draw docs/e2e.png from this JSON file, print its table, exit")
     parser.add_argument("--sampling", type=lambda s: [_temperature(t) for t in s.split(",")],
                         help="speculative sampling at these temperatures, each T or T:top_p (see above)")

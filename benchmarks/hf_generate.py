@@ -10,7 +10,9 @@ request, the held-out prompts (checkpoints/prompts.json, byte tokenizer models/t
   specpass/plain    specpass.generate(model): the target alone, compiled as below
   specpass/draft    specpass.generate(model, assistant_model=the transformers draft)
   specpass/eagle3   specpass.generate(model, assistant_model=ZooDrafter(EAGLE-3 head))
-  zoo/draft, zoo/eagle3  specpass's Decoder on the zoo's Llama with the same weights
+  zoo/plain, zoo/draft, zoo/eagle3  specpass's Decoder on the zoo's Llama with the same weights
+  lean              the lean baseline (benchmarks/lean.py, gpt-fast's decoding) on the zoo's Llama with the
+                    same weights: one CUDA graph per token, nothing else
   hf-static         model.generate(cache_implementation="static"): transformers compiles the decoding
                     step itself (mode="reduce-overhead"), prefill eager, as its docs say
   hf-assisted       model.generate(assistant_model=the draft): bs 1 only (transformers' limit), eager
@@ -108,6 +110,7 @@ class Bench:
         """name -> a function of the prompts that generates and returns the new tokens per request
         (the first call compiles); built fresh per batch size."""
         import specpass
+        from benchmarks.lean import LeanDecoder
         from specpass.loop import Decoder, cache_slots
 
         new, k = self.args.new_tokens, self.args.k
@@ -124,21 +127,35 @@ class Bench:
             return run
 
         def zoo(kind):
-            target, drafter = copy.deepcopy((self.zoo, self.zoo_drafters[kind]))
-            decoders = {}
+            target, drafter = copy.deepcopy((self.zoo, self.zoo_drafters[kind] if kind else None))
+            decoders, drafts = {}, k if kind else 0
 
             def run(ids, mask, prompts):
                 if not decoders:
-                    max_len = cache_slots(max(map(len, prompts)), new, k)
-                    decoders[0] = Decoder(target, drafter, k=k, max_batch=len(prompts), max_len=max_len,
+                    max_len = cache_slots(max(map(len, prompts)), new, drafts)
+                    decoders[0] = Decoder(target, drafter, k=drafts, max_batch=len(prompts), max_len=max_len,
                                           compile=self.compile, mode=self.mode, fused_round=self.device.type == "cuda")
                 out = decoders[0].generate(prompts, new)
                 return out.tokens, out.metrics
             run.decoders = decoders.values()
             return run
 
+        def lean():
+            target, decoders = copy.deepcopy(self.zoo), {}
+
+            def run(ids, mask, prompts):
+                if not decoders:
+                    max_len = cache_slots(max(map(len, prompts)), new, 0)
+                    backend = "inductor" if self.device.type == "cuda" else "eager"
+                    decoders[0] = LeanDecoder(target, max_batch=len(prompts), max_len=max_len, mode=self.mode,
+                                              backend=backend)
+                out = decoders[0].generate(prompts, new)
+                return out.tokens, out.metrics
+            return run
+
         found = {"specpass/plain": ours(None), "specpass/draft": ours(self.draft), "specpass/eagle3": ours(self.eagle3),
-                 "zoo/draft": zoo("draft"), "zoo/eagle3": zoo("eagle"), "hf-static": self.hf_static()}
+                 "zoo/plain": zoo(None), "zoo/draft": zoo("draft"), "zoo/eagle3": zoo("eagle"),
+                 "hf-static": self.hf_static(), "lean": lean()}
         if bs == 1:
             found["hf-assisted"] = self.hf_generate(self.model, dict(assistant_model=self.draft))
         for name in ("specpass/eagle3", "zoo/eagle3"):  # the same compiled loop, every round under full guards
@@ -259,7 +276,7 @@ def sweep(args) -> list[dict]:
             rows.append(row.asdict())
         if bs == args.profile_bs:
             text = "\n\n".join(bench.profile(name, variants[name], ids, mask, prompts)
-                               for name in variants if name.startswith(("specpass/", "zoo/")))
+                               for name in variants if name.startswith(("specpass/", "zoo/", "lean")))
             print("\n".join(line for line in text.splitlines() if line.startswith("==")), file=sys.stderr)
             if args.out:
                 args.out.with_suffix(".profile.txt").write_text(text)
@@ -308,13 +325,17 @@ def tiny_qwen3(args, env: dict) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| bs | variant | tokens/s | accepted length | prefill ms | ms/round | outside ms | agree |",
-             "|---|---|---|---|---|---|---|---|"]
+    """The rows; "vs lean": tokens/s over the lean baseline's at the same batch size (one process)."""
+    lean = {r["bs"]: r["tokens_per_s"] for r in rows if r["variant"] == "lean"}
+    lines = ["| bs | variant | tokens/s | vs lean | accepted length | prefill ms | ms/round | outside ms | agree |",
+             "|---|---|---|---|---|---|---|---|---|"]
     cell = lambda r, key, form: format(r[key], form) if r.get(key) is not None else "-"  # noqa: E731
     for r in rows:
-        lines.append(f"| {r['bs']} | {r['variant']} | {r['tokens_per_s']:.0f} | {cell(r, 'accept_length', '.2f')} | "
-                     f"{cell(r, 'prefill_ms', '.2f')} | {cell(r, 'round_ms', '.3f')} | {cell(r, 'outside_ms', '.2f')} | "
-                     f"{r['agree']} |")
+        same_model = r["bs"] in lean and not r["variant"].startswith("qwen3-tiny")
+        ratio = f"{r['tokens_per_s'] / lean[r['bs']]:.2f}x" if same_model else "-"
+        lines.append(f"| {r['bs']} | {r['variant']} | {r['tokens_per_s']:.0f} | {ratio} | "
+                     f"{cell(r, 'accept_length', '.2f')} | {cell(r, 'prefill_ms', '.2f')} | {cell(r, 'round_ms', '.3f')} | "
+                     f"{cell(r, 'outside_ms', '.2f')} | {r['agree']} |")
     return "\n".join(lines)
 
 
@@ -329,7 +350,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", default="specpass/plain,specpass/draft,specpass/eagle3,zoo/draft,zoo/eagle3,"
-                        "hf-static,hf-assisted", type=lambda s: s.split(","))
+                        "lean,hf-static,hf-assisted", type=lambda s: s.split(","))
     parser.add_argument("--quick", action="store_true", help="a smoke test: bs 1 and 2, 8 tokens, 1 repeat, fp32")
     parser.add_argument("--out", type=Path, help="write the rows to this JSON file (after every batch size)")
     parser.add_argument("--profile-bs", type=int, help="profile one generate of each loop variant at this batch size")

@@ -1,9 +1,10 @@
 """The lean plain baseline: gpt-fast's decoding of the target, nothing else.
 
 One compiled step per token (`mode="reduce-overhead"`: one CUDA graph replay), the next token its
-arg-max; outside the graph, as gpt-fast's `decode_n_tokens` does, the position's increment and a
-copy of the token. No EOS, no per-request limits, no state: the leanest loop torch.compile gives,
-against which `benchmarks/e2e.py` and `benchmarks/scale` state every speed-up (with the loop's own
+arg-max; outside the graph, as gpt-fast's `decode_n_tokens` does, the position's increment, a copy
+of the token, and (as any loop of CUDA-graph trees must in a process that marks steps) a step
+marked before each replay. No EOS, no per-request limits, no state: the leanest loop torch.compile
+gives, against which `benchmarks/e2e.py` and `benchmarks/scale` state every speed-up (with the loop's own
 plain decoding: the faster of the two). The prefill is compiled apart with its length symbolic, as
 gpt-fast's; prompts of a batch are padded on the right and each request starts from its own last
 position (the model's cache is addressed by position, so the padding's slots are overwritten
@@ -55,11 +56,16 @@ class LeanDecoder:
         token = self.prefill(tokens, torch.arange(width, device=self.device).expand(len(prompts), width), lengths - 1)
         pos = lengths.clone()
         prefill_s = self._clock() - start
-        new = [token.clone()]
+        new = [token]
         for _ in range(max_new_tokens - 1):  # gpt-fast's decode_n_tokens
-            token = self.step(token, pos)
+            # Once any code in the process marks a step (the Decoder does), CUDA-graph trees begin a
+            # new generation only at a mark: unmarked, each step would be recorded anew below the last
+            # one (38 ms a step, docs/results.md). A mark frees the last replay's outputs: the token
+            # is a copy, as gpt-fast's next_token.clone()
+            torch.compiler.cudagraph_mark_step_begin()
+            token = self.step(token, pos).clone()
             pos += 1
-            new.append(token.clone())
+            new.append(token)
         out = torch.stack(new, 1).tolist()  # the one host sync of the decoding
         seconds = self._clock() - start
         steps = max_new_tokens - 1

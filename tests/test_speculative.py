@@ -21,6 +21,7 @@ from models.checkpoint import save
 from models.drafters import ZooDrafter
 from specpass.loop import Decoder, Metrics, choose_k, expected_accept_length, next_k_to_time, price, runtime
 from specpass.loop.cost import batch_busy
+from specpass.loop.steps import decode_round as steps_decode_round
 from specpass.loop.steps import first_true
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,8 +152,45 @@ def test_one_host_sync_per_round(target, monkeypatch):
     for name in ("tiny-llama-eagle3", "tiny-deepseek-nextn", "noisy-copy"):
         syncs.clear()
         out = speculate(target, name, 4, eos_id=7)
-        # one read per round, then the final read of tokens, counts and statistics
-        assert syncs == ["item"] * out.metrics.rounds + ["tolist"] * 3, (name, syncs)
+        # one read per round (none after the round that spends the largest budget: NEW - 1 rounds
+        # after the prefill's token), then the final read of tokens, counts and statistics
+        reads = out.metrics.rounds - (out.metrics.rounds == NEW - 1)
+        assert syncs == ["item"] * reads + ["tolist"] * 3, (name, syncs)
+
+
+@pytest.mark.parametrize("eos_id", [None, 206])
+def test_no_round_past_the_budgets(target, monkeypatch, eos_id):
+    """With the done flag read a round late (`lag` 1, as on a GPU), a batch that ends on its budgets
+    runs the rounds they need and no more (the prefill's token, then one a round or more); one that
+    an EOS ends first (206: the first token of the first request, the eleventh of the third) runs
+    one round past it, which the count leaves out. Tokens as greedy decoding's."""
+    from specpass.loop import driver
+
+    class Lagged(runtime.DoneFlags):  # a GPU's DoneFlags on the CPU: each push reads the round before
+        def __init__(self, device):
+            super().__init__(device)
+            self.lag = 1
+
+        def push(self, finished):
+            self.pending.append(bool(finished))
+            return len(self.pending) > 1 and self.pending.pop(0)
+
+    monkeypatch.setattr(driver, "DoneFlags", Lagged)
+    ran = []
+    monkeypatch.setattr(driver, "decode_round", lambda *args: ran.append(1) or steps_decode_round(*args))
+    budgets = [NEW, 5, NEW - 2] if eos_id is None else [NEW, 5, NEW]
+    want = greedy(target, new=budgets, eos_id=eos_id).tokens
+    for k, name in ((0, None), (3, "tiny-llama-eagle3")):
+        dec = Decoder(target, name and drafter(name, target), k=k, max_batch=3, max_len=MAX_LEN, compile="eager")
+        ran.clear()
+        out = dec.generate(PROMPTS, budgets, eos_id=eos_id)
+        assert out.tokens == want
+        if eos_id is None:
+            assert len(ran) == out.metrics.rounds <= NEW - 1, (k, len(ran))
+            assert k or len(ran) == NEW - 1  # plain decoding: one token a round
+        else:
+            assert [len(t) for t in want] == [1, 5, 11]
+            assert len(ran) == out.metrics.rounds + 1 and (k or out.metrics.rounds == 10), (k, len(ran))
 
 
 def test_explain_catch_up_shows_the_live_row_gather(target):
@@ -260,7 +298,8 @@ def test_rounds_after_the_second_skip_guard_evaluation(target, monkeypatch):
     seen.clear()
     out = dec.generate(PROMPTS, NEW, eos_id=7)
     assert out.tokens == want
-    assert out.metrics.rounds > 3 and seen == [False, False] + [True] * (out.metrics.rounds - 2), seen
+    reads = out.metrics.rounds - (out.metrics.rounds == NEW - 1)  # none after the largest budget's last round
+    assert out.metrics.rounds > 3 and seen == [False, False] + [True] * (reads - 2), seen
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe  # restored after the loop
     seen.clear()
     with pytest.raises(RuntimeError, match="stop"):  # restored when the loop raises, too

@@ -11,7 +11,8 @@ The driver binds the models to the round shape the drafter gets (shapes.py), com
 prefill (one graph for every prompt length), prefills, and loops. KV caches are addressed by
 position (rejected slots are masked, then overwritten; nothing is copied), finished requests keep
 running in the batch and emit nothing, and the only host sync per round reads one flag, all done?
-(on a GPU the previous round's, so the device never waits for the host). See docs/loop.md.
+(on a GPU the previous round's, so the device never waits for the host; none once the rounds run
+are as many as the largest budget needs). See docs/loop.md.
 """
 
 from __future__ import annotations
@@ -271,10 +272,13 @@ class Decoder:
         timer = PhaseTimer(self.device) if timing and not self.fused_round else None
         run_round = self._bound[self._k].round if timer is None else self._timed_round(timer)
         rounds, flags, state = 0, DoneFlags(self.device), run.state
+        most = max(limits) - 1  # a round emits a token or more for every request still running
         check = self._round_check()
         with contextlib.closing(self._replay(run_round, run, check)) as replay:
             for state, _, finished in replay:
                 rounds += 1
+                if rounds >= most:  # every budget spent: no flag to wait for, no round past the last
+                    break
                 if flags.push(finished):  # the round's one host sync
                     rounds -= flags.lag  # a round run after all were done emitted nothing
                     break

@@ -215,8 +215,9 @@ def clock(device: torch.device) -> float:
 class DoneFlags:
     """The host's view of "all done". On a GPU, `push` reads the previous round's flag (copied to
     pinned memory as that round ends) while this round runs, so the device never idles waiting
-    for the host; that costs one round after the last, which runs on finished requests and emits
-    nothing (`lag` = 1). On a CPU the flag is read at once."""
+    for the host; where an EOS ends the batch, that costs one round after the last, which runs on
+    finished requests and emits nothing (`lag` = 1; a batch that ends on its budgets stops at its
+    last round, counted by the driver). On a CPU the flag is read at once."""
 
     def __init__(self, device: torch.device):
         self.lag = int(device.type == "cuda")

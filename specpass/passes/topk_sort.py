@@ -1,26 +1,36 @@
-"""Topk as sort: a top-k over a short row runs as a stable sort and a slice, which Inductor lowers
-to one Triton kernel fused with what produces the row, instead of ATen's top-k (a radix select
-and a bitonic sort of its k results: two kernels of a few µs each, whatever the row's length).
+"""Topk as one Triton kernel: a top-k over a short row runs as k rounds of selection (a small k) or
+as a stable sort and a slice, which Inductor lowers to one Triton kernel fused with what produces the
+row, instead of ATen's top-k (a radix select and a bitonic sort of its k results: two kernels of a
+few µs each, whatever the row's length).
 
     values, indices = topk(x, k, dim, largest, sorted)
-->  values, indices = sort(x, dim, descending=largest, stable=True)[:k along dim]
+->  selection (k <= 8, a float row longer than 256): each element's key, its value's order and
+    then its index's as one int64; round j takes the largest key below round j-1's (an amax), so k dependent reductions
+    over the row, which Inductor fuses into one persistent kernel. indices decoded from the keys,
+    values = gather(x, dim, indices).
+->  sort (otherwise): values, indices = sort(x, dim, descending=largest, stable=True)[:k along dim]
 
 A tree round makes many such calls on short rows: each draft step's top-k of its children, the
 re-rank over topk² candidates, and the draft's top-k over a small vocabulary. On an H100 the
-ATen pair cost a tree round 84 µs per round (docs/results.md).
+ATen pair cost a tree round 84 µs per round; on an H200 the sort of a 258-token row took 8.7-10.0 µs
+a call, its selection 3.5-5.4 (docs/passes.md#topk-as-sort).
 
-Exact: the first k of the sorted row are the k largest (smallest with largest=False) in order,
-which is what topk returns, sorted or not (sorted=False leaves the order unspecified). On equal
-values topk promises no index order; the stable sort gives the first index. NaN sorts as the
-largest value in both. Inductor's own `decompose_sort_ops` (torch 2.13) makes the same rewrite.
+Exact, both forms: the first k in the order (value descending, or ascending with largest=False;
+equal values by index) are the k largest (smallest), in order: topk's values, sorted or not
+(sorted=False leaves the order unspecified). On equal values topk promises no index order; both
+forms give the first index first, as the stable sort does. NaN is the largest value, as in topk and
+sort, and all NaNs are equal; -0.0 equals 0.0. The selection's keys are distinct (the index is part
+of each), so each round picks exactly one element, and the values are gathered from x itself.
+Inductor's own `decompose_sort_ops` (torch 2.13) makes the sort rewrite.
 
-The slice is a view of the sorted rows, not contiguous as topk's outputs are; where one is a graph
-output, the pipeline copies it back to topk's layout (`pipeline._keep_dense_outputs`).
+The sort's slice is a view of the sorted rows, not contiguous as topk's outputs are; where one is a
+graph output, the pipeline copies it back to topk's layout (`pipeline._keep_dense_outputs`).
 
 When, proven from the fake tensors: CUDA; the row's length along dim a static int of at most 512
-(Inductor sorts rows up to 512 in one persistent kernel and falls back to ATen's sort above, which
-on a long row is slower than topk's select); k static; neither output written in place (the sort's
-output would then be the buffer written). Not a candidate: a topk on another device (no finding).
+(Inductor reduces and sorts rows up to 512 in one persistent kernel; above, it falls back to ATen's
+sort, which on a long row is slower than topk's select); k static; neither output written in place
+(the new output would then be the buffer written). The selection also needs a float16, bfloat16 or
+float32 row (its value order as an int32 key) longer than 256 (shorter rows sort faster). Not a candidate: a topk on another device (no finding).
 
 Order: last, after argmax (which emits the exact top-k of a softmax's input as topk).
 """
@@ -40,6 +50,12 @@ aten = torch.ops.aten
 NAME = "topk_sort"
 _TOPK = aten.topk.default
 SORT_MAX_ROW = 512  # Inductor's persistent sort kernel takes rows up to this (ir.Sort.create)
+# k rounds of a reduction against a sort's log²(row) stages over the row padded to a power of two:
+# on an H200 the selection took 3.0-5.4 µs a call at k 4 and 8, the sort 1.6-2.1 µs on rows of 16
+# and 7.2-10.0 µs on rows of 258 and 512 (benchmarks/topk_sort.py, docs/passes.md#topk-as-sort)
+SELECT_MAX_K = 8
+SELECT_MIN_ROW = 257  # a row of up to 256 sorts in 256 lanes: 1.6-3.1 µs up to 128 (H100, H200)
+_SELECT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # exact in float32, whose bits order as int32
 
 
 def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
@@ -89,13 +105,52 @@ def _rewrite(node: fx.Node, x: torch.Tensor) -> str:
     source, k, dim, largest = _args(node)
     dim = dim % x.dim()
     graph = node.graph
+    row = static_int(x.shape[dim])
+    selection = k <= SELECT_MAX_K and row >= SELECT_MIN_ROW and x.dtype in _SELECT_DTYPES
     with graph.inserting_before(node):
-        pair = emit(graph, aten.sort.stable, (source,), {"stable": True, "dim": dim, "descending": largest})
-        parts = [emit(graph, aten.slice.Tensor, (emit(graph, operator.getitem, (pair, i)), dim, 0, k))
-                 for i in (0, 1)]
+        parts = _selection(graph, source, x, k, dim, largest) if selection else _sort(graph, source, k, dim, largest)
     for user in list(node.users):
         user.replace_all_uses_with(parts[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(node)
-    return (f"topk({k}) of rows of {static_int(x.shape[dim])} runs as a stable sort and a slice "
-            "(one Triton kernel under Inductor instead of ATen's select and sort)")
+    if selection:
+        return (f"topk({k}) of rows of {row} runs as {k} rounds of selection (one Triton kernel under Inductor "
+                "instead of ATen's select and sort)")
+    return (f"topk({k}) of rows of {row} runs as a stable sort and a slice (one Triton kernel under Inductor "
+            "instead of ATen's select and sort)")
+
+
+def _sort(graph: fx.Graph, source: fx.Node, k: int, dim: int, largest: bool) -> list[fx.Node]:
+    pair = emit(graph, aten.sort.stable, (source,), {"stable": True, "dim": dim, "descending": largest})
+    return [emit(graph, aten.slice.Tensor, (emit(graph, operator.getitem, (pair, i)), dim, 0, k)) for i in (0, 1)]
+
+
+def _selection(graph: fx.Graph, source: fx.Node, x: torch.Tensor, k: int, dim: int, largest: bool) -> list[fx.Node]:
+    """-> [values, indices]: k rounds of an amax over keys (value order << 32 | reversed index), each
+    round below the last one's key; every key is distinct, so a round picks one element."""
+    row = static_int(x.shape[dim])
+    xf = source if x.dtype == torch.float32 else emit(graph, aten._to_copy.default, (source,), {"dtype": torch.float32})
+    xf = emit(graph, aten.where.ScalarSelf, (emit(graph, aten.eq.Scalar, (xf, 0)), 0.0, xf))  # -0.0 as 0.0: one key
+    bits = emit(graph, aten.view.dtype, (xf, torch.int32))
+    # a float's order as an int32: non-negative floats order as their bits, negative ones reversed
+    flipped = emit(graph, aten.bitwise_xor.Scalar, (bits, 0x7FFFFFFF))
+    key = emit(graph, aten.where.self, (emit(graph, aten.lt.Scalar, (bits, 0)), flipped, bits))
+    key = emit(graph, aten.where.ScalarSelf, (emit(graph, aten.isnan.default, (xf,)), 0x7FFFFFFF, key))  # NaN: largest
+    if not largest:
+        key = emit(graph, aten.bitwise_not.default, (key,))
+    shape = [1] * x.dim()
+    shape[dim] = row
+    index = emit(graph, aten.view.default, (emit(graph, aten.arange.start, (0, row), {"dtype": torch.int64,
+                                                                                        "device": x.device}), shape))
+    reversed_index = emit(graph, aten.rsub.Scalar, (index, row - 1))  # the first index the largest among equals
+    keys = emit(graph, aten.add.Tensor, (emit(graph, aten.mul.Tensor, (emit(graph, aten._to_copy.default, (key,),
+                                                                            {"dtype": torch.int64}), 1 << 32)),
+                                         reversed_index))
+    picked = [emit(graph, aten.amax.default, (keys, [dim], True))]
+    for _ in range(k - 1):
+        below = emit(graph, aten.lt.Tensor, (keys, picked[-1]))
+        picked.append(emit(graph, aten.amax.default, (emit(graph, aten.where.ScalarOther,
+                                                            (below, keys, torch.iinfo(torch.int64).min)), [dim], True)))
+    low = emit(graph, aten.bitwise_and.Scalar, (emit(graph, aten.cat.default, (picked, dim)), 0xFFFFFFFF))
+    indices = emit(graph, aten.rsub.Scalar, (low, row - 1))
+    return [emit(graph, aten.gather.default, (source, dim, indices)), indices]
