@@ -5,9 +5,9 @@ few µs each, whatever the row's length).
 
     values, indices = topk(x, k, dim, largest, sorted)
 ->  selection (k <= 8, a float row longer than 256): each element's key, its value's order and
-    then its index's as one int64; round j takes the largest key below round j-1's (an amax), so k dependent reductions
-    over the row, which Inductor fuses into one persistent kernel. indices decoded from the keys,
-    values = gather(x, dim, indices).
+    then its index's as one int64; round j takes the largest key below round j-1's (an amax): k
+    dependent reductions over the row, which Inductor fuses into one persistent kernel. The
+    indices decoded from the keys, values = gather(x, dim, indices).
 ->  sort (otherwise): values, indices = sort(x, dim, descending=largest, stable=True)[:k along dim]
 
 A tree round makes many such calls on short rows: each draft step's top-k of its children, the
@@ -30,7 +30,8 @@ When, proven from the fake tensors: CUDA; the row's length along dim a static in
 (Inductor reduces and sorts rows up to 512 in one persistent kernel; above, it falls back to ATen's
 sort, which on a long row is slower than topk's select); k static; neither output written in place
 (the new output would then be the buffer written). The selection also needs a float16, bfloat16 or
-float32 row (its value order as an int32 key) longer than 256 (shorter rows sort faster). Not a candidate: a topk on another device (no finding).
+float32 row (its value order as an int32 key) longer than 256 (shorter rows sort faster). Not a
+candidate: a topk on another device (no finding).
 
 Order: last, after argmax (which emits the exact top-k of a softmax's input as topk).
 """
@@ -65,7 +66,7 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
             continue
         x = val(node.args[0])
         if not (isinstance(x, torch.Tensor) and x.device.type == "cuda"):
-            continue  # Inductor's Triton sort is the gain: not a candidate
+            continue  # Inductor's Triton kernel is the gain: not a candidate
         why = _refusal(node, x)
         if why is not None:
             findings.append(Finding(NAME, node.name, False, why))
@@ -97,7 +98,7 @@ def _refusal(node: fx.Node, x: torch.Tensor) -> str | None:
     if len(outputs) != len(node.users):
         return "an output is read other than by indexing the (values, indices) pair"
     if any(is_written_in_place(u) for u in outputs):
-        return "an output is written in place: the sort's output would be the buffer written"
+        return "an output is written in place: the new output would be the buffer written"
     return None
 
 
@@ -140,12 +141,11 @@ def _selection(graph: fx.Graph, source: fx.Node, x: torch.Tensor, k: int, dim: i
         key = emit(graph, aten.bitwise_not.default, (key,))
     shape = [1] * x.dim()
     shape[dim] = row
-    index = emit(graph, aten.view.default, (emit(graph, aten.arange.start, (0, row), {"dtype": torch.int64,
-                                                                                        "device": x.device}), shape))
-    reversed_index = emit(graph, aten.rsub.Scalar, (index, row - 1))  # the first index the largest among equals
-    keys = emit(graph, aten.add.Tensor, (emit(graph, aten.mul.Tensor, (emit(graph, aten._to_copy.default, (key,),
-                                                                            {"dtype": torch.int64}), 1 << 32)),
-                                         reversed_index))
+    arange = emit(graph, aten.arange.start, (0, row), {"dtype": torch.int64, "device": x.device})
+    reversed_index = emit(graph, aten.rsub.Scalar, (emit(graph, aten.view.default, (arange, shape)), row - 1))
+    key64 = emit(graph, aten._to_copy.default, (key,), {"dtype": torch.int64})
+    # key << 32 | (row - 1 - index): distinct, and the first index the largest among equal values
+    keys = emit(graph, aten.add.Tensor, (emit(graph, aten.mul.Tensor, (key64, 1 << 32)), reversed_index))
     picked = [emit(graph, aten.amax.default, (keys, [dim], True))]
     for _ in range(k - 1):
         below = emit(graph, aten.lt.Tensor, (keys, picked[-1]))
