@@ -28,9 +28,10 @@ K = 4 for every loop, and each K of --k-sweep for eagle3/, parallel/ and dflash/
 for the swept EAGLE-3 variant; with --tuned, the loop's own choice for the EAGLE-3 head and for the
 block draft (`Decoder.tune_k` among plain decoding, each --tune-ks K (the chain's search around them)
 and, for the EAGLE-3 head, the --trees shapes, before the timed runs: rounds timed on the first batch,
-acceptance measured on every batch; its "compile s" includes the tuning). With --pdl each of our
-loop's variants also runs compiled with `specpass.backend(pdl=True)` (Inductor's programmatic
-dependent launch), as VARIANT+pdl beside it; the lean baseline runs as gpt-fast runs it. With --batches N each
+acceptance measured on every batch; its "compile s" includes the tuning). With --paired OPTION ...
+each of our loop's variants also runs compiled with `specpass.backend(OPTION=True)`, as
+VARIANT+OPTION beside it (pdl: Inductor's programmatic dependent launch; gemv: the GEMV pass); the
+lean baseline runs as gpt-fast runs it. With --batches N each
 timed pass generates N batches of bs prompts in turn (the next held-out prompts each) and pools
 them. "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
 in every variant, HF's too) included; "decode tokens/s" counts the rounds alone (our loops).
@@ -74,6 +75,7 @@ LOOPS = {"inductor-apart": ("inductor", False), "specpass-apart": ("specpass", F
          "specpass-fused": ("specpass", True)}
 SWEPT = ("eagle3/specpass-fused", "parallel/specpass-fused", "dflash/specpass-fused")  # the variants also run at each K of --k-sweep
 TUNED = "tuned"  # a variant's K: Decoder.tune_k chooses it
+PAIRED = ("pdl", "gemv")  # --paired: specpass options a variant also runs with, beside itself
 START = time.perf_counter()
 
 
@@ -340,13 +342,13 @@ def sweep(args, save) -> list[dict]:
             if f"{drafter}/{loop}" in (SWEPT[0], SWEPT[2]):  # the chain head's and the block draft's own choice
                 tuned += [(f"{drafter}/{loop}/tuned", drafter, compile, fused, TUNED)] * args.tuned
     loops += tuned  # last: they compile the most, and --stop-after drops them first
-    if args.pdl:  # each loop again beside itself, compiled with PDL; the lean baseline as gpt-fast has it
+    if args.paired:  # each loop again beside itself, with each option on; the lean baseline as gpt-fast has it
         import specpass
-        pdl, paired = specpass.backend(pdl=True), []
+        backends, paired = {option: specpass.backend(**{option: True}) for option in args.paired}, []
         for name, drafter, compile, *rest in loops:
             paired.append((name, drafter, compile, *rest))
             if compile == "specpass":
-                paired.append((f"{name}+pdl", drafter, pdl, *rest))
+                paired += [(f"{name}+{option}", drafter, backend, *rest) for option, backend in backends.items()]
         loops = paired
     for bs in args.bs:
         batches = bench.batches(bs)
@@ -543,9 +545,9 @@ def main() -> None:
     parser.add_argument("--inline", action="store_true",
                         help="compile every layer inline in each step (Decoder(regional=False)): a layer's residual "
                              "add fuses with the next layer's norm, at more compile time")
-    parser.add_argument("--pdl", action="store_true",
-                        help="also run each of the loop's variants compiled with specpass.backend(pdl=True) "
-                             "(Inductor's programmatic dependent launch), as '<variant>+pdl'")
+    parser.add_argument("--paired", nargs="+", default=[], choices=PAIRED, metavar="OPTION",
+                        help=f"also run each of the loop's variants compiled with specpass.backend(OPTION=True), as "
+                             f"'<variant>+OPTION', for each OPTION of {PAIRED}")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip plain decoding in the greedy sweep (agree then compares with the first variant)")
     parser.add_argument("--trees", default=[], type=harness.tree_shapes, metavar="TOPK,STEPS,TOKENS;...",

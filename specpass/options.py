@@ -19,6 +19,9 @@ class Options:
     # A topk over a short static row (<= 512) runs as a stable sort and a slice, on CUDA: Inductor
     # lowers that to one Triton kernel instead of ATen's two top-k kernels.
     topk_sort: bool = True
+    # A linear of at most 4 static rows runs as the library's one-pass GEMV kernel
+    # (torch.ops.specpass.gemv) instead of cuBLAS, on CUDA. Off until measured in a step.
+    gemv: bool = False
     # Repeated layers compiled once: the next layer's head (its norm) moves into each layer's body,
     # so that Inductor fuses it with the residual add that ends the layer (one kernel per seam).
     seams: bool = True
@@ -79,6 +82,9 @@ class Options:
         if options.get("exact") and options.get("split_kv"):
             raise ValueError("specpass options exact=True and split_kv=True: the split-KV kernel splits the slots "
                              "by the rows' count, which exact mode forbids; leave split_kv out")
+        if options.get("exact") and options.get("gemv"):
+            raise ValueError("specpass options exact=True and gemv=True: exact mode runs every linear as its "
+                             "row-invariant kernel; leave gemv out")
         if options.get("exact"):
             options = {**options, "split_kv": False}
         return cls(**options)

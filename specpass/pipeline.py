@@ -31,7 +31,7 @@ from specpass.capture import capture
 from specpass.graph import (SCALAR_READS, emit, is_impure, is_mutation, is_region_call, make_local_writes_functional,
                             region_body, region_calls, region_operands, same_shape, storage, written_storages)
 from specpass.options import Options
-from specpass.passes import argmax, exact, gqa, live_rows, masks, seams, split_kv, topk_sort
+from specpass.passes import argmax, exact, gemv, gqa, live_rows, masks, seams, split_kv, topk_sort
 from specpass.report import Finding, Report, graph_matmul_flops
 
 Pass = Callable[[fx.GraphModule, Options], list[Finding]]
@@ -43,6 +43,7 @@ PASSES: list[tuple[str, Pass]] = [
     ("gqa", gqa.run),  # after live_rows: its Q-slice reads attention head by head (gqa.py)
     ("split_kv", split_kv.run),  # after both: the rows live_rows left, the enable_gqa call gqa wrote
     ("topk_sort", topk_sort.run),  # after argmax: the exact top-k it emits
+    ("gemv", gemv.run),  # after live_rows: the rows it leaves
     ("exact", exact.run),  # off unless asked; last: it routes what the others emit
 ]
 # On the graph that calls the region bodies, after each is rewritten (`_rewrite_bodies`): they

@@ -163,6 +163,8 @@ def node_matmul_flops(node: fx.Node) -> int:
         aten.matmul.default: 0,
         aten.addmm.default: 1,
         aten.baddbmm.default: 1,
+        torch.ops.specpass.gemv.default: 0,
+        torch.ops.specpass.exact_linear.default: 0,
     }.get(node.target)
     if first_operand is None:
         return 0

@@ -6,6 +6,7 @@ distribution here, on both devices): run through the device machine."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specpass.kernels.counter import key, uniform
 from specpass.sampling import TARGET
@@ -376,3 +377,58 @@ def test_seen_slots_lists_each_row_s_keys_in_slot_order():
     slots, count = seen_slots(wide)
     for row, n, listed in zip(wide.reshape(-1, 3000), count.flatten().tolist(), slots.reshape(-1, 3000)):
         assert listed[:n].tolist() == row.nonzero().flatten().tolist()
+
+
+GEMV_SHAPES = [(1, 258, 256), (3, 4096, 4096), (4, 50, 300), (1, 128256 // 8, 4096), (2, 4096, 14336), (1, 33, 96)]
+
+
+def gemv_case(rows, n, k, dtype, bias, device):
+    """x (every other column of a wider tensor: a row stride), w, b and the linear in fp64."""
+    g = torch.Generator(device=device).manual_seed(rows * n + k)
+    x = torch.randn(rows, 2 * k, device=device, generator=g).to(dtype)[:, ::2]
+    w = (torch.randn(n, k, device=device, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, device=device, generator=g).to(dtype) if bias else None
+    want = x.double() @ w.double().t() + (b.double() if bias else 0)
+    return x, w, b, want
+
+
+@cuda
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,n,k", GEMV_SHAPES)
+def test_gemv_is_the_linear_rounded_once(rows, n, k, dtype, bias):
+    """torch.ops.specpass.gemv against the fp64 linear: within one rounding of the output (the fp32
+    sums of K products add at most K ulps of fp32, far below a 16-bit ulp); in 16 bits, as close as
+    F.linear, which rounds the same sums once too."""
+    import specpass.kernels  # noqa: F401  registers torch.ops.specpass.gemv
+
+    x, w, b, want = gemv_case(rows, n, k, dtype, bias, "cuda")
+    got = torch.ops.specpass.gemv(x, w, b)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    ulp = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -20}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=ulp, atol=ulp * want.abs().max().item())
+    if dtype != torch.float32:
+        err, cublas_err = ((y.double() - want).abs().max().item() for y in (got, F.linear(x, w, b)))
+        assert err <= 1.5 * cublas_err
+
+
+@cuda
+def test_gemv_composes_with_the_backend_and_cuda_graphs():
+    """The pass on: a one-row step's linears run as the op under Inductor and CUDA graphs, with its
+    values; the five-row verify's stay cuBLAS's."""
+    import specpass
+    from specpass.compile_backend import collecting_reports
+
+    def step(h, w1, w2):
+        return F.linear(F.silu(F.linear(h, w1)), w2) + h
+
+    w1, w2 = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) / 16 for shape in [(512, 256), (256, 512)])
+    for rows in (1, 5):
+        h = torch.randn(1, rows, 256, device="cuda", dtype=torch.bfloat16)
+        compiled = torch.compile(step, backend=specpass.backend(gemv=True), mode="reduce-overhead", fullgraph=True)
+        with collecting_reports() as reports:
+            for _ in range(3):  # warm-up, record, replay
+                got = compiled(h, w1, w2)
+        torch.testing.assert_close(got, step(h, w1, w2), rtol=2 ** -7, atol=2 ** -7)
+        [(_, report)] = reports
+        assert [f.fired for f in report.of("gemv")] == [rows == 1] * 2

@@ -19,6 +19,8 @@ Per point (batch size x prompt length), each variant is built, compiled, timed a
   inductor       the fused round, plain Inductor (at --inductor-at points)
   specpass-no-split-kv  the fused round, specpass without its split-KV attention kernel
                  (`specpass.backend(split_kv=False)`) (at --no-split-kv-at points)
+  decode-gemv, specpass-gemv   decode and specpass with the GEMV pass (`specpass.backend(gemv=True)`)
+                 (at --gemv-at points)
   apart          specpass, steps compiled apart, CUDA events after each step: the phase split
                  (draft / verify / accept / catch-up) (at --apart-at points)
 At --tune-at points the loop picks K itself (`Decoder.tune_k` at --tune-ks, the shipped acceptance,

@@ -20,7 +20,8 @@ SHIPPED = {  # --drafter -> its measured acceptance: a file and the rows of it t
     "block": (harness.ROOT / "docs" / "e2e_dflash.json", dict(variant="dflash/specpass-fused", dtype="bfloat16"))}
 # variant -> (its compiler: "specpass", "inductor" or specpass options; one graph per round)
 VARIANTS = {"decode": ("specpass", True), "specpass": ("specpass", True), "inductor": ("inductor", True),
-            "specpass-no-split-kv": (dict(split_kv=False), True), "apart": ("specpass", False)}
+            "specpass-no-split-kv": (dict(split_kv=False), True), "apart": ("specpass", False),
+            "decode-gemv": (dict(gemv=True), True), "specpass-gemv": (dict(gemv=True), True)}
 START = time.perf_counter()
 
 
@@ -83,6 +84,8 @@ def sweep(args, save) -> dict:
         runs += [(variant, args.k) for variant, at in (("inductor", args.inductor_at),
                                                         ("specpass-no-split-kv", args.no_split_kv_at),
                                                         ("apart", args.apart_at)) if (bs, prompt) in at]
+        if (bs, prompt) in args.gemv_at:
+            runs += [("decode-gemv", 0), ("specpass-gemv", args.k)]
         if (bs, prompt) in args.tune_at:  # the tuning times specpass at its K
             runs = [r for r in runs if r[0] != "specpass"]
         for variant, k in runs:

@@ -26,6 +26,7 @@ formulation, and the ones the loop samples with. One module each; importing this
     #   head j against K/V head j // (hq / hk) over the slots the mask shows, the scale given.
 
     y = torch.ops.specpass.exact_linear(x, w, b)   # exact.py: exact mode's row-invariant ops (its docstring)
+    y = torch.ops.specpass.gemv(x, w, b)           # gemv.py: a linear of a few rows, one pass over w
 
 The value is written by the kernel, in the dtype its user wants, so that a sampled token and its
 (log-)probability need no second kernel; at a token t the log-probability is logits[t] - lse. On
@@ -38,7 +39,8 @@ CUDA kernels/triton_attention.py; elsewhere the folded SDPA (`attend_folded`). A
 with a fake implementation: Inductor calls each as one extern kernel, CUDA graphs capture it.
 """
 
-from specpass.kernels import exact, floor, top1  # noqa: F401  registers torch.ops.specpass.{exact_*, floor, top1_lse, sample}
+# registers torch.ops.specpass.{exact_*, floor, gemv, top1_lse, sample}
+from specpass.kernels import exact, floor, gemv, top1  # noqa: F401
 from specpass.kernels.attention import SPLIT_MAX_ROWS, attend_folded, attend_split, attend_split_refusal
 
 __all__ = ["SPLIT_MAX_ROWS", "attend_folded", "attend_split", "attend_split_refusal"]

@@ -1,0 +1,118 @@
+"""GEMV: a linear of a few static rows runs as the library's one-pass kernel
+(`torch.ops.specpass.gemv`) instead of cuBLAS.
+
+    y = linear(x, w, b)          # x [..., K] of at most 4 rows, w [N, K] contiguous
+->  y = gemv(x, w, b)
+    y = mm(x, wt) / matmul(x, wt)   # wt [K, N] the transpose of a contiguous [N, K] (x @ w.t())
+->  y = gemv(x, wt.t())             # a view: the weight as it is stored
+
+At one row a linear reads its weight once and does two FLOPs a weight element: its time is the
+weight's bytes. cuBLAS's kernels for it run at 1.00-1.59x that floor on an H200 at Llama-3-8B
+shape (1.12x over a decode step's linears), the kernel at 0.95-1.29x (1.045x): docs/results.md,
+issue 49's sixth measurement. Its value differs from cuBLAS's by the order of the fp32 sums, as
+cuBLAS's own choice of kernel makes it differ between row counts.
+
+When, proven from the fake tensors: CUDA; x and w (and b) of one dtype, bf16, fp16 or fp32; w 2-D
+and contiguous (the kernel reads its rows; a copy each call would cost more than it saves); b
+None or [N]; the rows (x's elements over K) static and at most GEMV_MAX_ROWS, where each row's
+programs read a block of the weight side by side (the first from DRAM, the rest from L2); N and K
+static. Not a candidate: a linear on another device, a matmul whose second operand is not 2-D.
+
+Off by default (`gemv=False`): measured alone, not yet in a step. Exact mode routes linears to its
+row-invariant kernel instead, and refuses this one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from specpass.graph import bind, emit, static_int, val
+from specpass.options import Options
+from specpass.report import Finding
+
+aten = torch.ops.aten
+NAME = "gemv"
+GEMV_MAX_ROWS = 4
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MATMULS = (aten.mm.default, aten.matmul.default)
+
+
+def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
+    findings = []
+    for node in list(gm.graph.nodes):
+        operands = _operands(node)
+        if operands is None:
+            continue
+        x, weight, bias, transposed = operands
+        why = _refusal(val(x), val(weight), val(bias), transposed)
+        if why is not None:
+            findings.append(Finding(NAME, node.name, False, why))
+            continue
+        graph = node.graph
+        with graph.inserting_before(node):
+            w = _stored(graph, weight) if transposed else weight
+            out = emit(graph, torch.ops.specpass.gemv.default, (x, w, bias), name="gemv")
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        n, k = val(w).shape
+        rows = static_int(math.prod(val(x).shape[:-1]))
+        findings.append(Finding(NAME, node.name, True, f"runs as specpass.gemv ({rows} row{'s' * (rows != 1)} against "
+                                                        f"a {n} x {k} weight, one pass over it) instead of cuBLAS"))
+    return findings
+
+
+def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, bool] | None:
+    """(x, weight, bias, transposed) of a linear on CUDA, the weight as the node has it ([K, N] where
+    transposed); None where the node is not a candidate."""
+    if node.op != "call_function":
+        return None
+    if node.target is aten.linear.default:
+        a = bind(node)
+        x, weight, bias, transposed = a["input"], a["weight"], a.get("bias"), False
+    elif node.target in _MATMULS:
+        x, weight = node.args[:2]
+        bias, transposed = None, True
+        if not (isinstance(val(weight), torch.Tensor) and val(weight).dim() == 2):
+            return None  # a batched matmul: not a linear
+    else:
+        return None
+    xv = val(x)
+    if not (isinstance(xv, torch.Tensor) and xv.device.type == "cuda"):
+        return None  # the kernel is CUDA's
+    return x, weight, bias, transposed
+
+
+def _stored(graph: fx.Graph, wt: fx.Node) -> fx.Node:
+    """The [N, K] weight that `wt` ([K, N]) is the transpose of: w itself where wt is `w.t()`."""
+    if wt.op == "call_function" and wt.target is aten.t.default:
+        return wt.args[0]
+    return emit(graph, aten.t.default, (wt,))
+
+
+def _refusal(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> str | None:
+    dtypes = {t.dtype for t in (x, w, b) if t is not None}
+    if len(dtypes) != 1 or x.dtype not in _DTYPES:
+        return (f"{', '.join(str(d) for d in sorted(dtypes, key=str))}: the kernel takes one dtype for x, the weight "
+                "and the bias, bf16, fp16 or fp32")
+    if w.dim() != 2 or x.dim() == 0:
+        return f"x is {list(x.shape)} and the weight {list(w.shape)}: not x [..., K] against a 2-D weight"
+    stored = w.t() if transposed else w
+    n, k = (static_int(s) for s in stored.shape)
+    if not (isinstance(n, int) and isinstance(k, int)):
+        return f"the weight is [{n}, {k}], a symbolic size: the kernel's configuration is chosen for static ones"
+    if not stored.is_contiguous():
+        what = "x @ w.t() of a contiguous [N, K] w" if transposed else "a contiguous [N, K] weight"
+        return (f"the weight's strides are {list(w.stride())}, not {what}: the kernel reads the weight's rows, and "
+                "a copy each call would cost more than the kernel saves")
+    if b is not None and list(b.shape) != [n]:
+        return f"the bias is {list(b.shape)}, not [{n}]"
+    rows = static_int(math.prod(x.shape[:-1]))
+    if not isinstance(rows, int):
+        return f"the rows ({rows}) are symbolic: the kernel is for a few static rows"
+    if rows > GEMV_MAX_ROWS:
+        return (f"{rows} rows > {GEMV_MAX_ROWS}: the kernel reads the weight once per row (from L2 after the "
+                "first), a GEMM once for all")
+    return None

@@ -1,0 +1,192 @@
+"""The GEMV pass: a linear of at most 4 static rows on CUDA runs as `torch.ops.specpass.gemv`. On
+CPU the graphs are traced with fake CUDA tensors (the pass reads only fake tensors) and the
+rewritten graphs then run on real CPU tensors (the op's CPU implementation) against the original;
+the refusals, each with its reason. The Triton kernel: tests/test_kernels.py, on a GPU."""
+
+import re
+
+import expecttest
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import specpass
+from specpass.options import Options
+from specpass.passes import gemv
+from specpass.testing import graph_str
+
+
+def ir(fn, *shapes, device="cuda", dtype=torch.bfloat16):
+    """fn's IR (make_fx, as specpass.capture traces it) on fake tensors of these shapes."""
+    with FakeTensorMode():
+        args = [torch.empty(shape, device=device, dtype=dtype) for shape in shapes]
+        return make_fx(fn, pre_dispatch=True)(*args)
+
+
+def traced(fn, *shapes, device="cuda", dtype=torch.bfloat16):
+    """... rewritten with the pass on."""
+    return specpass.rewrite(ir(fn, *shapes, device=device, dtype=dtype), gemv=True)
+
+
+def verdicts(result):
+    return "\n".join(str(f) for f in result.report.of("gemv"))
+
+
+def mlp(h, norm_w, gate_up, down):
+    """A layer's MLP: a norm, a fused gate-up projection, the residual add."""
+    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
+    gate, up = F.linear(x, gate_up).chunk(2, -1)
+    return h + F.linear(F.silu(gate) * up, down)
+
+
+def mlp_and_head(h, norm_w, gate_up, down, lm_head):
+    """... and the head of the last row, lm_head as x @ w.t() (a draft or decode step)."""
+    return mlp(h, norm_w, gate_up, down).select(1, -1) @ lm_head.t()
+
+
+def mlp_and_heads(h, norm_w, gate_up, down, lm_head):
+    """... the head of every row (a verify)."""
+    return mlp(h, norm_w, gate_up, down) @ lm_head.t()
+
+
+SHAPES = [(1, 1, 64), (64,), (256, 64), (64, 128), (258, 64)]
+
+
+class TestGraphs(expecttest.TestCase):
+    def test_decode_step(self):
+        result = traced(mlp_and_head, *SHAPES)
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+h_1: bf16[1, 1, 64]
+norm_w_1: bf16[64]
+gate_up_1: bf16[256, 64]
+down_1: bf16[64, 128]
+lm_head_1: bf16[258, 64]
+pow_1: bf16[1, 1, 64] = pow.Tensor_Scalar(h_1, 2)
+mean: bf16[1, 1, 1] = mean.dim(pow_1, [-1], True)
+add: bf16[1, 1, 1] = add.Tensor(mean, 1e-06)
+rsqrt: bf16[1, 1, 1] = rsqrt(add)
+mul: bf16[1, 1, 64] = mul.Tensor(h_1, rsqrt)
+mul_1: bf16[1, 1, 64] = mul.Tensor(mul, norm_w_1)
+gemv: bf16[1, 1, 256] = specpass.gemv(mul_1, gate_up_1, None)
+chunk: (bf16[1, 1, 128], bf16[1, 1, 128]) = chunk(gemv, 2, -1)
+getitem: bf16[1, 1, 128] = getitem(chunk, 0)
+getitem_1: bf16[1, 1, 128] = getitem(chunk, 1)
+silu: bf16[1, 1, 128] = silu(getitem)
+mul_2: bf16[1, 1, 128] = mul.Tensor(silu, getitem_1)
+gemv_1: bf16[1, 1, 64] = specpass.gemv(mul_2, down_1, None)
+add_1: bf16[1, 1, 64] = add.Tensor(h_1, gemv_1)
+select: bf16[1, 64] = select.int(add_1, 1, -1)
+gemv_2: bf16[1, 258] = specpass.gemv(select, lm_head_1, None)
+return gemv_2""")
+        self.assertExpectedInline(verdicts(result), """\
+[gemv] rewrote linear: runs as specpass.gemv (1 row against a 256 x 64 weight, one pass over it) instead of cuBLAS
+[gemv] rewrote linear_1: runs as specpass.gemv (1 row against a 64 x 128 weight, one pass over it) instead of cuBLAS
+[gemv] rewrote matmul: runs as specpass.gemv (1 row against a 258 x 64 weight, one pass over it) instead of cuBLAS""")
+
+    def test_verify_rows(self):
+        """Five rows a request, every one scored (a K 4 verify): the GEMM reads the weight once for
+        all of them. Only the last row scored (a draft step): the live-row pass leaves one row, and
+        the linears after its gather run as GEMVs."""
+        result = traced(mlp_and_heads, (1, 5, 64), *SHAPES[1:])
+        self.assertExpectedInline(verdicts(result), """\
+[gemv] left alone linear: 5 rows > 4: the kernel reads the weight once per row (from L2 after the first), a GEMM once for all
+[gemv] left alone linear_1: 5 rows > 4: the kernel reads the weight once per row (from L2 after the first), a GEMM once for all
+[gemv] left alone matmul: 5 rows > 4: the kernel reads the weight once per row (from L2 after the first), a GEMM once for all""")
+        result = traced(mlp_and_head, (1, 5, 64), *SHAPES[1:])
+        self.assertExpectedInline(verdicts(result), """\
+[gemv] rewrote linear: runs as specpass.gemv (1 row against a 256 x 64 weight, one pass over it) instead of cuBLAS
+[gemv] rewrote linear_1: runs as specpass.gemv (1 row against a 64 x 128 weight, one pass over it) instead of cuBLAS
+[gemv] rewrote matmul: runs as specpass.gemv (1 row against a 258 x 64 weight, one pass over it) instead of cuBLAS""")
+
+
+def test_rewritten_graph_equals_the_original():
+    """The rewritten graph on real CPU tensors: the op's operands are the linear's (the weight, its
+    transpose, the bias) wherever it came from."""
+    result = traced(mlp_and_head, *SHAPES, dtype=torch.float32)
+    assert [f.fired for f in result.report.of("gemv")] == [True, True, True]
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(shape, generator=g) for shape in SHAPES]
+    torch.testing.assert_close(result.graph_module(*args), mlp_and_head(*args), rtol=1e-5, atol=1e-5)
+
+    def biased(x, w, b):
+        return F.linear(x, w, b)
+
+    result = traced(biased, (2, 1, 32), (48, 32), (48,), dtype=torch.float32)
+    assert [f.fired for f in result.report.of("gemv")] == [True]
+    args = [torch.randn(shape, generator=g) for shape in [(2, 1, 32), (48, 32), (48,)]]
+    torch.testing.assert_close(result.graph_module(*args), biased(*args), rtol=1e-5, atol=1e-5)
+
+
+def _linear_graph(x, w, b=None, target=torch.ops.aten.linear.default):
+    """One linear over placeholders carrying these fake tensors, built by hand where tracing fake
+    CUDA tensors cannot make them (symbolic sizes)."""
+    graph = fx.Graph()
+    nodes = []
+    for name, value in (("x", x), ("w", w), ("b", b)):
+        if value is not None:
+            nodes.append(graph.placeholder(name))
+            nodes[-1].meta["val"] = value
+    node = graph.call_function(target, tuple(nodes))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        node.meta["val"] = F.linear(x, w, b) if target is torch.ops.aten.linear.default else x @ w
+    graph.output(node)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def refusal(x, w, b=None, target=torch.ops.aten.linear.default):
+    gm = _linear_graph(x, w, b, target)
+    (finding,) = gemv.run(gm, Options(gemv=True))
+    assert not finding.fired
+    assert any(n.target is target for n in gm.graph.nodes)
+    return finding.message
+
+
+def fakes(mode, x_shape, w_shape, dtype=torch.bfloat16, b_shape=None):
+    with mode:
+        return (torch.empty(x_shape, device="cuda", dtype=dtype), torch.empty(w_shape, device="cuda", dtype=dtype),
+                None if b_shape is None else torch.empty(b_shape, device="cuda", dtype=dtype))
+
+
+class TestRefusals(expecttest.TestCase):
+    def test_rows(self):
+        self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), (5, 64), (32, 64))), """5 rows > 4: the kernel reads the weight once per row (from L2 after the first), a GEMM once for all""")
+
+    def test_dtype(self):
+        self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), (1, 64), (32, 64), torch.float64)), """torch.float64: the kernel takes one dtype for x, the weight and the bias, bf16, fp16 or fp32""")
+
+    def test_weight_not_stored_as_rows(self):
+        x, w, _ = fakes(FakeTensorMode(), (1, 64), (64, 32))
+        self.assertExpectedInline(refusal(x, w.t()), """the weight's strides are [1, 32], not a contiguous [N, K] weight: the kernel reads the weight's rows, and a copy each call would cost more than the kernel saves""")  # a [32, 64] view of a [64, 32] tensor
+        self.assertExpectedInline(refusal(x, w, target=torch.ops.aten.mm.default), """the weight's strides are [32, 1], not x @ w.t() of a contiguous [N, K] w: the kernel reads the weight's rows, and a copy each call would cost more than the kernel saves""")  # x @ w of a [K, N] w
+
+    def test_symbolic_rows(self):
+        from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        env = ShapeEnv()
+        rows = env.create_symintnode(env.create_symbol(2, ConstantSource("rows")), hint=2)
+        x, w, _ = fakes(FakeTensorMode(shape_env=env), (rows, 64), (32, 64))
+        message = re.sub(r"\bs\d+\b", "sN", refusal(x, w))  # the symbol's number depends on what ran before
+        self.assertExpectedInline(message, """the rows (sN) are symbolic: the kernel is for a few static rows""")
+        assert not env.guards
+
+
+@pytest.mark.parametrize("case", ["cpu", "batched"])
+def test_not_a_candidate(case):
+    if case == "cpu":
+        result = traced(lambda x, w: F.linear(x, w), (1, 64), (32, 64), device="cpu")
+    else:  # attention's scores: a matmul of two activations
+        result = traced(lambda q, k: q @ k.transpose(-1, -2), (1, 2, 1, 16), (1, 2, 8, 16))
+    assert result.report.of("gemv") == []
+    assert not result.graph_module.graph.find_nodes(op="call_function", target=torch.ops.specpass.gemv.default)
+
+
+def test_off_by_default_and_not_with_exact():
+    result = specpass.rewrite(ir(mlp_and_head, *SHAPES))
+    assert result.report.of("gemv") == []
+    assert not result.graph_module.graph.find_nodes(op="call_function", target=torch.ops.specpass.gemv.default)
+    with pytest.raises(ValueError, match="exact=True and gemv=True"):
+        Options.make(exact=True, gemv=True)
