@@ -75,7 +75,6 @@ LOOPS = {"inductor-apart": ("inductor", False), "specpass-apart": ("specpass", F
          "specpass-fused": ("specpass", True)}
 SWEPT = ("eagle3/specpass-fused", "parallel/specpass-fused", "dflash/specpass-fused")  # the variants also run at each K of --k-sweep
 TUNED = "tuned"  # a variant's K: Decoder.tune_k chooses it
-PAIRED = ("pdl", "gemv")  # --paired: specpass options a variant also runs with, beside itself
 START = time.perf_counter()
 
 
@@ -545,9 +544,9 @@ def main() -> None:
     parser.add_argument("--inline", action="store_true",
                         help="compile every layer inline in each step (Decoder(regional=False)): a layer's residual "
                              "add fuses with the next layer's norm, at more compile time")
-    parser.add_argument("--paired", nargs="+", default=[], choices=PAIRED, metavar="OPTION",
+    parser.add_argument("--paired", nargs="+", default=[], choices=harness.PAIRED, metavar="OPTION",
                         help=f"also run each of the loop's variants compiled with specpass.backend(OPTION=True), as "
-                             f"'<variant>+OPTION', for each OPTION of {PAIRED}")
+                             f"'<variant>+OPTION', for each OPTION of {harness.PAIRED}")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip plain decoding in the greedy sweep (agree then compares with the first variant)")
     parser.add_argument("--trees", default=[], type=harness.tree_shapes, metavar="TOPK,STEPS,TOKENS;...",

@@ -34,6 +34,7 @@ import torch
 
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: checkpoints/, docs/
+PAIRED = ("pdl", "gemv")  # specpass options a loop variant also runs with, beside itself (VARIANT+OPTION)
 
 
 # --- what ran where

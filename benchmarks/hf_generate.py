@@ -16,8 +16,9 @@ request, the held-out prompts (checkpoints/prompts.json, byte tokenizer models/t
   hf-static         model.generate(cache_implementation="static"): transformers compiles the decoding
                     step itself (mode="reduce-overhead"), prefill eager, as its docs say
   hf-assisted       model.generate(assistant_model=the draft): bs 1 only (transformers' limit), eager
-  specpass/eagle3+guards, zoo/eagle3+guards  the same compiled loops with Dynamo's guards evaluated
-                    every round (`Decoder.generate` skips them from round 3 on)
+  LOOP+guards       a loop variant (specpass/*, zoo/*) with Dynamo's guards evaluated every round
+                    (`Decoder.generate` skips them from round 3 on)
+  LOOP+OPTION       a loop variant compiled with `specpass.backend(OPTION=True)` (OPTION: pdl or gemv)
 Ours: specpass with Inductor, CUDA graphs and the fused round on a GPU (specpass.generate's defaults);
 on CPU the rewritten graphs run eagerly (--quick: no torch.compile at all). Every variant runs once
 to compile and warm up (torch.compiler.reset() runs between batch sizes: compile_s at a later size
@@ -41,6 +42,7 @@ import argparse
 import collections
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import statistics
@@ -115,10 +117,10 @@ class Bench:
 
         new, k = self.args.new_tokens, self.args.k
 
-        def ours(assistant):
+        def ours(assistant, compile):
             def run(ids, mask, prompts):
                 out = specpass.generate(self.model, ids, attention_mask=mask, assistant_model=assistant,
-                                        max_new_tokens=new, num_assistant_tokens=k, compile=self.compile,
+                                        max_new_tokens=new, num_assistant_tokens=k, compile=compile,
                                         mode=self.mode, return_dict_in_generate=True)
                 run.rewrites = {step: collections.Counter(line.split("]")[0][1:] for line in lines)
                                 for step, lines in out.rewrites.items()}  # step -> pass -> rewrites
@@ -126,7 +128,7 @@ class Bench:
             run.decoders = specpass.generate.cache
             return run
 
-        def zoo(kind):
+        def zoo(kind, compile):
             target, drafter = copy.deepcopy((self.zoo, self.zoo_drafters[kind] if kind else None))
             decoders, drafts = {}, k if kind else 0
 
@@ -134,7 +136,7 @@ class Bench:
                 if not decoders:
                     max_len = cache_slots(max(map(len, prompts)), new, drafts)
                     decoders[0] = Decoder(target, drafter, k=drafts, max_batch=len(prompts), max_len=max_len,
-                                          compile=self.compile, mode=self.mode, fused_round=self.device.type == "cuda")
+                                          compile=compile, mode=self.mode, fused_round=self.device.type == "cuda")
                 out = decoders[0].generate(prompts, new)
                 return out.tokens, out.metrics
             run.decoders = decoders.values()
@@ -153,15 +155,26 @@ class Bench:
                 return out.tokens, out.metrics
             return run
 
-        found = {"specpass/plain": ours(None), "specpass/draft": ours(self.draft), "specpass/eagle3": ours(self.eagle3),
-                 "zoo/plain": zoo(None), "zoo/draft": zoo("draft"), "zoo/eagle3": zoo("eagle"),
-                 "hf-static": self.hf_static(), "lean": lean()}
+        loops = {"specpass/plain": functools.partial(ours, None), "specpass/draft": functools.partial(ours, self.draft),
+                 "specpass/eagle3": functools.partial(ours, self.eagle3), "zoo/plain": functools.partial(zoo, None),
+                 "zoo/draft": functools.partial(zoo, "draft"), "zoo/eagle3": functools.partial(zoo, "eagle")}
+        others = {"hf-static": self.hf_static, "lean": lean}
         if bs == 1:
-            found["hf-assisted"] = self.hf_generate(self.model, dict(assistant_model=self.draft))
-        for name in ("specpass/eagle3", "zoo/eagle3"):  # the same compiled loop, every round under full guards
-            found[name + "+guards"] = guarded(found[name])
+            others["hf-assisted"] = lambda: self.hf_generate(self.model, dict(assistant_model=self.draft))
+
+        def make(name):  # built only when wanted: a zoo variant copies the models
+            base, _, suffix = name.partition("+")
+            if base in others and not suffix:
+                return others[base]()
+            if base not in loops or suffix not in ("", "guards", *harness.PAIRED):
+                return None
+            if suffix in harness.PAIRED:  # the loop compiled with that specpass option on (on CPU: as without)
+                return loops[base](specpass.backend(**{suffix: True}) if self.compile == "specpass" else self.compile)
+            run = loops[base](self.compile)
+            return guarded(run) if suffix == "guards" else run  # "+guards": every round under full guards
+
         wanted = self.args.plan.get(bs, self.args.variants)
-        return {name: found[name] for name in wanted if name in found}
+        return {name: run for name in wanted if (run := make(name)) is not None}
 
     def hf_static(self):
         # generate compiles its decoding step itself with a static cache (mode "reduce-overhead"),

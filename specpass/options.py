@@ -19,8 +19,8 @@ class Options:
     # A topk over a short static row (<= 512) runs as a stable sort and a slice, on CUDA: Inductor
     # lowers that to one Triton kernel instead of ATen's two top-k kernels.
     topk_sort: bool = True
-    # A linear of at most 4 static rows runs as the library's one-pass GEMV kernel
-    # (torch.ops.specpass.gemv) instead of cuBLAS, on CUDA. Off until measured in a step.
+    # A linear of at most 4 rows (or symbolic ones, settled per call) runs as the library's one-pass
+    # GEMV kernel (torch.ops.specpass.gemv) instead of cuBLAS, on CUDA. Off until measured in a step.
     gemv: bool = False
     # Repeated layers compiled once: the next layer's head (its norm) moves into each layer's body,
     # so that Inductor fuses it with the residual add that ends the layer (one kernel per seam).

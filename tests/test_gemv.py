@@ -162,16 +162,20 @@ class TestRefusals(expecttest.TestCase):
         self.assertExpectedInline(refusal(x, w.t()), """the weight's strides are [1, 32], not a contiguous [N, K] weight: the kernel reads the weight's rows, and a copy each call would cost more than the kernel saves""")  # a [32, 64] view of a [64, 32] tensor
         self.assertExpectedInline(refusal(x, w, target=torch.ops.aten.mm.default), """the weight's strides are [32, 1], not x @ w.t() of a contiguous [N, K] w: the kernel reads the weight's rows, and a copy each call would cost more than the kernel saves""")  # x @ w of a [K, N] w
 
-    def test_symbolic_rows(self):
-        from torch._dynamo.source import ConstantSource
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+def test_symbolic_rows_are_the_op_s_to_settle():
+    """A batch compiled once for every size: the op runs the kernel at up to 4 rows a call and cuBLAS
+    above, so the pass fires, without a guard on the rows."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        env = ShapeEnv()
-        rows = env.create_symintnode(env.create_symbol(2, ConstantSource("rows")), hint=2)
-        x, w, _ = fakes(FakeTensorMode(shape_env=env), (rows, 64), (32, 64))
-        message = re.sub(r"\bs\d+\b", "sN", refusal(x, w))  # the symbol's number depends on what ran before
-        self.assertExpectedInline(message, """the rows (sN) are symbolic: the kernel is for a few static rows""")
-        assert not env.guards
+    env = ShapeEnv()
+    rows = env.create_symintnode(env.create_symbol(2, ConstantSource("rows")), hint=2)
+    gm = _linear_graph(*fakes(FakeTensorMode(shape_env=env), (rows, 64), (32, 64)))
+    (finding,) = gemv.run(gm, Options(gemv=True))
+    message = re.sub(r"\bs\d+\b", "sN", finding.message)  # the symbol's number depends on what ran before
+    assert finding.fired and message == ("runs as specpass.gemv (sN rows, symbolic, against a 32 x 64 weight): one "
+                                         "pass over it at up to 4 rows a call, cuBLAS above"), message
+    assert gm.graph.find_nodes(op="call_function", target=torch.ops.specpass.gemv.default) and not env.guards
 
 
 @pytest.mark.parametrize("case", ["cpu", "batched"])

@@ -413,6 +413,15 @@ def test_gemv_is_the_linear_rounded_once(rows, n, k, dtype, bias):
 
 
 @cuda
+def test_gemv_above_its_rows_is_f_linear():
+    """Past MAX_ROWS (a symbolic batch's larger calls) the op is cuBLAS's linear, bit for bit."""
+    from specpass.kernels.gemv import MAX_ROWS
+
+    x, w, b, _ = gemv_case(MAX_ROWS + 1, 4096, 4096, torch.bfloat16, True, "cuda")
+    assert torch.equal(torch.ops.specpass.gemv(x, w, b), F.linear(x, w, b))
+
+
+@cuda
 def test_gemv_composes_with_the_backend_and_cuda_graphs():
     """The pass on: a one-row step's linears run as the op under Inductor and CUDA graphs, with its
     values; the five-row verify's stay cuBLAS's."""

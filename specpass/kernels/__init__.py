@@ -26,7 +26,7 @@ formulation, and the ones the loop samples with. One module each; importing this
     #   head j against K/V head j // (hq / hk) over the slots the mask shows, the scale given.
 
     y = torch.ops.specpass.exact_linear(x, w, b)   # exact.py: exact mode's row-invariant ops (its docstring)
-    y = torch.ops.specpass.gemv(x, w, b)           # gemv.py: a linear of a few rows, one pass over w
+    y = torch.ops.specpass.gemv(x, w, b)           # gemv.py: a linear of up to 4 rows in one pass over w
 
 The value is written by the kernel, in the dtype its user wants, so that a sampled token and its
 (log-)probability need no second kernel; at a token t the log-probability is logits[t] - lse. On

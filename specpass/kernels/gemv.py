@@ -4,7 +4,10 @@ routes to it). On CUDA kernels/triton_gemv.py, imported on first use; elsewhere 
     y = gemv(x, w, b)    # x [..., K], w [N, K], b [N] or None -> [..., N], x's dtype
 
 The same value as `F.linear` up to the order of its fp32 sums: products of x's dtype summed in
-fp32, the bias added in fp32, rounded once.
+fp32, the bias added in fp32, rounded once. The kernel reads the weight once per row (the rows'
+programs side by side, so the second row on reads it from L2): a call of more than MAX_ROWS rows
+runs `F.linear` instead, whose GEMM reads it once for all. A graph whose rows are symbolic (a
+batch compiled once for every size) gets each at its own size.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+MAX_ROWS = 4
 
 
 @torch.library.custom_op("specpass::gemv", mutates_args=())
@@ -21,6 +26,8 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 @gemv.register_kernel("cuda")
 def _(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    if x.numel() > MAX_ROWS * x.shape[-1]:
+        return F.linear(x, weight, bias)
     from specpass.kernels import triton_gemv
 
     return triton_gemv.gemv(x, weight, bias)

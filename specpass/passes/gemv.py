@@ -1,7 +1,7 @@
-"""GEMV: a linear of a few static rows runs as the library's one-pass kernel
+"""GEMV: a linear of a few rows runs as the library's one-pass kernel
 (`torch.ops.specpass.gemv`) instead of cuBLAS.
 
-    y = linear(x, w, b)          # x [..., K] of at most 4 rows, w [N, K] contiguous
+    y = linear(x, w, b)          # x [..., K] of at most 4 rows (or symbolic), w [N, K] contiguous
 ->  y = gemv(x, w, b)
     y = mm(x, wt) / matmul(x, wt)   # wt [K, N] the transpose of a contiguous [N, K] (x @ w.t())
 ->  y = gemv(x, wt.t())             # a view: the weight as it is stored
@@ -14,9 +14,11 @@ cuBLAS's own choice of kernel makes it differ between row counts.
 
 When, proven from the fake tensors: CUDA; x and w (and b) of one dtype, bf16, fp16 or fp32; w 2-D
 and contiguous (the kernel reads its rows; a copy each call would cost more than it saves); b
-None or [N]; the rows (x's elements over K) static and at most GEMV_MAX_ROWS, where each row's
-programs read a block of the weight side by side (the first from DRAM, the rest from L2); N and K
-static. Not a candidate: a linear on another device, a matmul whose second operand is not 2-D.
+None or [N]; the rows (x's elements over K) not known to be more than MAX_ROWS (4: each row's
+programs read a block of the weight side by side, the first from DRAM, the rest from L2). Symbolic
+rows (a batch compiled once for every size) are the op's to settle at each call: the kernel up to
+MAX_ROWS, cuBLAS above. N and K static. Not a candidate: a linear on another device, a matmul whose
+second operand is not 2-D.
 
 Off by default (`gemv=False`): measured alone, not yet in a step. Exact mode routes linears to its
 row-invariant kernel instead, and refuses this one.
@@ -29,13 +31,13 @@ import math
 import torch
 import torch.fx as fx
 
-from specpass.graph import bind, emit, static_int, val
+from specpass.graph import bind, emit, known, static_int, val
+from specpass.kernels.gemv import MAX_ROWS
 from specpass.options import Options
 from specpass.report import Finding
 
 aten = torch.ops.aten
 NAME = "gemv"
-GEMV_MAX_ROWS = 4
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MATMULS = (aten.mm.default, aten.matmul.default)
 
@@ -57,10 +59,7 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
             out = emit(graph, torch.ops.specpass.gemv.default, (x, w, bias), name="gemv")
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-        n, k = val(w).shape
-        rows = static_int(math.prod(val(x).shape[:-1]))
-        findings.append(Finding(NAME, node.name, True, f"runs as specpass.gemv ({rows} row{'s' * (rows != 1)} against "
-                                                        f"a {n} x {k} weight, one pass over it) instead of cuBLAS"))
+        findings.append(Finding(NAME, node.name, True, _fired(val(x), val(w))))
     return findings
 
 
@@ -83,6 +82,16 @@ def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, bool] | 
     if not (isinstance(xv, torch.Tensor) and xv.device.type == "cuda"):
         return None  # the kernel is CUDA's
     return x, weight, bias, transposed
+
+
+def _fired(x: torch.Tensor, w: torch.Tensor) -> str:
+    n, k = w.shape
+    rows = static_int(math.prod(x.shape[:-1]))
+    if isinstance(rows, int):
+        return (f"runs as specpass.gemv ({rows} row{'s' * (rows != 1)} against a {n} x {k} weight, one pass over "
+                "it) instead of cuBLAS")
+    return (f"runs as specpass.gemv ({rows} rows, symbolic, against a {n} x {k} weight): one pass over it at up to "
+            f"{MAX_ROWS} rows a call, cuBLAS above")
 
 
 def _stored(graph: fx.Graph, wt: fx.Node) -> fx.Node:
@@ -110,9 +119,7 @@ def _refusal(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transpose
     if b is not None and list(b.shape) != [n]:
         return f"the bias is {list(b.shape)}, not [{n}]"
     rows = static_int(math.prod(x.shape[:-1]))
-    if not isinstance(rows, int):
-        return f"the rows ({rows}) are symbolic: the kernel is for a few static rows"
-    if rows > GEMV_MAX_ROWS:
-        return (f"{rows} rows > {GEMV_MAX_ROWS}: the kernel reads the weight once per row (from L2 after the "
+    if known(rows > MAX_ROWS):
+        return (f"{rows} rows > {MAX_ROWS}: the kernel reads the weight once per row (from L2 after the "
                 "first), a GEMM once for all")
     return None
