@@ -162,6 +162,10 @@ class TestRefusals(expecttest.TestCase):
         self.assertExpectedInline(refusal(x, w.t()), """the weight's strides are [1, 32], not a contiguous [N, K] weight: the kernel reads the weight's rows, and a copy each call would cost more than the kernel saves""")  # a [32, 64] view of a [64, 32] tensor
         self.assertExpectedInline(refusal(x, w, target=torch.ops.aten.mm.default), """the weight's strides are [32, 1], not x @ w.t() of a contiguous [N, K] w: the kernel reads the weight's rows, and a copy each call would cost more than the kernel saves""")  # x @ w of a [K, N] w
 
+    def test_bias_broadcast(self):
+        self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), (1, 64), (32, 64), b_shape=(1,))), """the bias is [1], not [32]: the kernel adds one value per output column""")
+
+
 def test_symbolic_rows_are_the_op_s_to_settle():
     """A batch compiled once for every size: the op runs the kernel at up to 4 rows a call and cuBLAS
     above, so the pass fires, without a guard on the rows."""

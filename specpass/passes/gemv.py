@@ -117,7 +117,7 @@ def _refusal(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transpose
         return (f"the weight's strides are {list(w.stride())}, not {what}: the kernel reads the weight's rows, and "
                 "a copy each call would cost more than the kernel saves")
     if b is not None and list(b.shape) != [n]:
-        return f"the bias is {list(b.shape)}, not [{n}]"
+        return f"the bias is {list(b.shape)}, not [{n}]: the kernel adds one value per output column"
     rows = static_int(math.prod(x.shape[:-1]))
     if known(rows > MAX_ROWS):
         return (f"{rows} rows > {MAX_ROWS}: the kernel reads the weight once per row (from L2 after the "
