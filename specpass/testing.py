@@ -1,6 +1,7 @@
 """Test helpers: a normalised, shape-annotated print of the IR, for `assertExpectedInline`
-graph-diff tests, `full_row_matmuls` for checks of the live-row ideal, and `Recorder`, a backend
-that keeps the graphs it compiled.
+graph-diff tests, `fake_ir` (a function's IR traced on fake tensors of given shapes),
+`full_row_matmuls` for checks of the live-row ideal, and `Recorder`, a backend that keeps the
+graphs it compiled.
 
     x: f32[2, 4, 32]
     linear: f32[2, 4, 32] = linear(x, q_proj_weight)
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from specpass.compile_backend import backend
 from specpass.graph import is_mutation
@@ -27,6 +30,17 @@ _DTYPES = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "b8",
 }
+
+
+def fake_ir(fn: Any, *shapes: Any, device: str = "cpu", dtype: torch.dtype = torch.float32,
+            dtypes: tuple[torch.dtype | None, ...] = ()) -> fx.GraphModule:
+    """fn's IR (make_fx, pre-dispatch, as `specpass.capture` traces it) on fake tensors of these
+    shapes, of `dtype` or of dtypes[i] for the i-th where it is given, on `device`, which this
+    machine need not have (a pass that fires on CUDA graphs, tested on a CPU)."""
+    kinds = [*dtypes, *[None] * len(shapes)]
+    with FakeTensorMode():
+        args = [torch.empty(shape, device=device, dtype=kind or dtype) for shape, kind in zip(shapes, kinds)]
+        return make_fx(fn, pre_dispatch=True)(*args)
 
 
 def graph_str(gm: fx.GraphModule) -> str:

@@ -7,15 +7,13 @@ import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 import specpass
 from models import zoo
 from models.drafters import ZooDrafter, adapt
 from specpass import ExactModeError
 from specpass.loop import Decoder, TreeShape
-from specpass.testing import graph_str
+from specpass.testing import fake_ir, graph_str
 from tests.test_hf_generate import build as hf_build, eagle3_head
 
 ops = torch.ops.specpass
@@ -102,11 +100,7 @@ def test_attention_adds_the_slots_a_mask_hides_as_nothing_wherever_they_sit():
 
 
 def traced(fn, *shapes, dtype=torch.float32, **options):
-    mode = FakeTensorMode()
-    with mode:
-        args = [torch.empty(shape, dtype=dtype) for shape in shapes]
-        gm = make_fx(fn, pre_dispatch=True)(*args)
-    return specpass.rewrite(gm, **options)
+    return specpass.rewrite(fake_ir(fn, *shapes, dtype=dtype), **options)
 
 
 def layer(x, w, norm, q, k, v):

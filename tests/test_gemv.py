@@ -11,24 +11,16 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 import specpass
 from specpass.options import Options
 from specpass.passes import gemv
-from specpass.testing import graph_str
-
-
-def ir(fn, *shapes, device="cuda", dtype=torch.bfloat16):
-    """fn's IR (make_fx, as specpass.capture traces it) on fake tensors of these shapes."""
-    with FakeTensorMode():
-        args = [torch.empty(shape, device=device, dtype=dtype) for shape in shapes]
-        return make_fx(fn, pre_dispatch=True)(*args)
+from specpass.testing import fake_ir, graph_str
 
 
 def traced(fn, *shapes, device="cuda", dtype=torch.bfloat16):
-    """... rewritten with the pass on."""
-    return specpass.rewrite(ir(fn, *shapes, device=device, dtype=dtype), gemv=True)
+    """fn's IR on fake tensors of these shapes (CUDA by default), rewritten with the pass on."""
+    return specpass.rewrite(fake_ir(fn, *shapes, device=device, dtype=dtype), gemv=True)
 
 
 def verdicts(result):
@@ -193,7 +185,7 @@ def test_not_a_candidate(case):
 
 
 def test_off_by_default_and_not_with_exact():
-    result = specpass.rewrite(ir(mlp_and_head, *SHAPES))
+    result = specpass.rewrite(fake_ir(mlp_and_head, *SHAPES, device="cuda", dtype=torch.bfloat16))
     assert result.report.of("gemv") == []
     assert not result.graph_module.graph.find_nodes(op="call_function", target=torch.ops.specpass.gemv.default)
     with pytest.raises(ValueError, match="exact=True and gemv=True"):

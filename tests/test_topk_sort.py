@@ -6,21 +6,15 @@ tensors against torch.topk; the refusals, each with its reason."""
 import expecttest
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
 
 import specpass
 from specpass.loop.tree_math import expand
-from specpass.testing import graph_str
+from specpass.testing import fake_ir, graph_str
 
 
-def traced(fn, *shapes, device="cuda", dtype=torch.bfloat16, **options):
-    """fn's IR (make_fx, as specpass.capture traces it) on fake tensors of these shapes, rewritten."""
-    mode = FakeTensorMode()
-    with mode:
-        args = [torch.empty(shape, device=device, dtype=dtype) for shape in shapes]
-        gm = make_fx(fn, pre_dispatch=True)(*args)
-    return specpass.rewrite(gm, **options)
+def traced(fn, *shapes, device="cuda", dtype=torch.bfloat16, dtypes=(), **options):
+    """fn's IR on fake tensors of these shapes (CUDA by default), rewritten."""
+    return specpass.rewrite(fake_ir(fn, *shapes, device=device, dtype=dtype, dtypes=dtypes), **options)
 
 
 def verdicts(result):
@@ -107,12 +101,7 @@ class TestSortForm(expecttest.TestCase):
         def fn(scores, ids, short):
             return scores.topk(10, -1), ids.topk(2, -1), short.topk(4, -1)
 
-        mode = FakeTensorMode()
-        with mode:
-            args = (torch.empty(3, 300, device="cuda"), torch.empty(3, 300, device="cuda", dtype=torch.int64),
-                    torch.empty(3, 256, device="cuda"))
-            gm = make_fx(fn, pre_dispatch=True)(*args)
-        result = specpass.rewrite(gm)
+        result = traced(fn, (3, 300), (3, 300), (3, 256), dtype=torch.float32, dtypes=(None, torch.int64))
         self.assertExpectedInline(graph_str(result.graph_module), """\
 scores_1: f32[3, 300]
 ids_1: i64[3, 300]

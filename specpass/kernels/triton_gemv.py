@@ -11,16 +11,15 @@ loads in flight at any decode size.
 
 The configuration is one for every shape: 4 rows a program, chunks of 1,024 (the largest power of
 two up to 1,024 that divides K, at least 128; else 1,024 and a masked tail), 4 warps, 3 stages.
-A sweep of 33-83 configurations a Llama-3-8B linear (rows a program 4-32, chunks 256-1,024, 4 or 8
-warps, K split 1-16 ways) found it the best of them all but at lm_head, within 1% there: docs/results.md,
-the sixth measurement of issue 49.
+A probe's sweep of 33-83 configurations a Llama-3-8B linear (rows a program 4-32, chunks 256-1,024,
+4 or 8 warps, K split 1-16 ways; H200, one row) found it the best of them all but at lm_head, within
+1% there: docs/results.md, the sixth measurement of issue 49. The kernel launches on the current
+CUDA device, as every op of the library's does.
 
 Triton is imported here only, on the first call on a CUDA tensor.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import triton
@@ -77,8 +76,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     if m and n:
         bk = chunk(k)
         grid = (triton.cdiv(n, BN) * m,)
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # CPU: the interpreter
-            _gemv[grid](rows, weight, weight if bias is None else bias, out, m, n, k, rows.stride(0), out.stride(0),
-                        HAS_BIAS=bias is not None, EVEN_N=n % BN == 0, EVEN_K=k % bk == 0, BN=BN, BK=bk,
-                        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        _gemv[grid](rows, weight, weight if bias is None else bias, out, m, n, k, rows.stride(0), out.stride(0),
+                    HAS_BIAS=bias is not None, EVEN_N=n % BN == 0, EVEN_K=k % bk == 0, BN=BN, BK=bk,
+                    num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out.reshape(*x.shape[:-1], n)

@@ -27,6 +27,7 @@ row-invariant kernel instead, and refuses this one.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -49,7 +50,8 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
         if operands is None:
             continue
         x, weight, bias, transposed = operands
-        why = _refusal(val(x), val(weight), val(bias), transposed)
+        rows = static_int(math.prod(val(x).shape[:-1]))  # a SymInt where the batch is symbolic
+        why = _refusal(val(x), val(weight), val(bias), transposed, rows)
         if why is not None:
             findings.append(Finding(NAME, node.name, False, why))
             continue
@@ -59,7 +61,7 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
             out = emit(graph, torch.ops.specpass.gemv.default, (x, w, bias), name="gemv")
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-        findings.append(Finding(NAME, node.name, True, _fired(val(x), val(w))))
+        findings.append(Finding(NAME, node.name, True, _fired(rows, *val(w).shape)))
     return findings
 
 
@@ -84,9 +86,7 @@ def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, bool] | 
     return x, weight, bias, transposed
 
 
-def _fired(x: torch.Tensor, w: torch.Tensor) -> str:
-    n, k = w.shape
-    rows = static_int(math.prod(x.shape[:-1]))
+def _fired(rows: Any, n: int, k: int) -> str:
     if isinstance(rows, int):
         return (f"runs as specpass.gemv ({rows} row{'s' * (rows != 1)} against a {n} x {k} weight, one pass over "
                 "it) instead of cuBLAS")
@@ -101,7 +101,7 @@ def _stored(graph: fx.Graph, wt: fx.Node) -> fx.Node:
     return emit(graph, aten.t.default, (wt,))
 
 
-def _refusal(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> str | None:
+def _refusal(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool, rows: Any) -> str | None:
     dtypes = {t.dtype for t in (x, w, b) if t is not None}
     if len(dtypes) != 1 or x.dtype not in _DTYPES:
         return (f"{', '.join(str(d) for d in sorted(dtypes, key=str))}: the kernel takes one dtype for x, the weight "
@@ -118,7 +118,6 @@ def _refusal(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transpose
                 "a copy each call would cost more than the kernel saves")
     if b is not None and list(b.shape) != [n]:
         return f"the bias is {list(b.shape)}, not [{n}]: the kernel adds one value per output column"
-    rows = static_int(math.prod(x.shape[:-1]))
     if known(rows > MAX_ROWS):
         return (f"{rows} rows > {MAX_ROWS}: the kernel reads the weight once per row (from L2 after the "
                 "first), a GEMM once for all")
