@@ -29,9 +29,9 @@ for the swept EAGLE-3 variant; with --tuned, the loop's own choice for the EAGLE
 block draft (`Decoder.tune_k` among plain decoding, each --tune-ks K (the chain's search around them)
 and, for the EAGLE-3 head, the --trees shapes, before the timed runs: rounds timed on the first batch,
 acceptance measured on every batch; its "compile s" includes the tuning). With --paired OPTION ...
-each of our loop's variants also runs compiled with `specpass.backend(OPTION=True)`, as
-VARIANT+OPTION beside it (pdl: Inductor's programmatic dependent launch; gemv: the GEMV pass); the
-lean baseline runs as gpt-fast runs it. With --batches N each
+each of our loop's variants also runs compiled with that specpass switch flipped from its default,
+beside it as VARIANT+pdl (Inductor's programmatic dependent launch on) or VARIANT+no-gemv (the GEMV
+pass off); the lean baseline runs as gpt-fast runs it. With --batches N each
 timed pass generates N batches of bs prompts in turn (the next held-out prompts each) and pools
 them. "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
 in every variant, HF's too) included; "decode tokens/s" counts the rounds alone (our loops).
@@ -280,7 +280,7 @@ def kernels_per_round(decoder, prompts, new: int, sampling: dict) -> dict:
     return dict(rounds=rounds, kernels=per_round(sum(e.count for e in kernels)),
                 us=per_round(sum(e.device_time_total for e in kernels)),
                 top=[(e.key[:90], per_round(e.count), per_round(e.device_time_total)) for e in top],
-                gaps=gaps_per_round(prof, rounds))
+                gaps=harness.gaps_per_round(prof, rounds))
 
 
 def profiled(profile: dict | None) -> str:
@@ -290,24 +290,6 @@ def profiled(profile: dict | None) -> str:
     gaps = profile["gaps"]
     return (f"; a round: {profile['kernels']} kernels, {profile['us']} us on the GPU, idle {gaps['idle_us']} us "
             f"({gaps['long']} gaps >= 5 us: {gaps['long_us']} us, longest {gaps['longest_us']} us)")
-
-
-def gaps_per_round(prof, rounds: int, long_us: float = 5.0) -> dict:
-    """The GPU's idle time between consecutive device activities (kernels, copies), over the middle
-    80% of them (the rounds, not the prefill's eager kernels nor the end), per round: all of it, the
-    gaps of `long_us` or more (a launch from the host: a graph's, a copy's) and the longest one."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
-    window = spans[len(spans) // 10: len(spans) * 9 // 10]
-    if len(window) < 2:
-        raise ValueError(f"{len(spans)} device activities profiled: too few to measure gaps (profile a GPU run)")
-    gaps, busy_until = [], window[0][1]
-    for start, end in window[1:]:  # idle: no activity running, whichever ran longest (streams overlap)
-        gaps.append(max(0.0, start - busy_until))
-        busy_until = max(busy_until, end)
-    share = rounds * len(window) / max(len(spans), 1)  # rounds the window covers
-    long = [g for g in gaps if g >= long_us]
-    return dict(idle_us=round(sum(gaps) / share, 1), long=round(len(long) / share, 2),
-                long_us=round(sum(long) / share, 1), longest_us=round(max(gaps, default=0.0), 1))
 
 
 def sweep(args, save) -> list[dict]:
@@ -341,13 +323,14 @@ def sweep(args, save) -> list[dict]:
             if f"{drafter}/{loop}" in (SWEPT[0], SWEPT[2]):  # the chain head's and the block draft's own choice
                 tuned += [(f"{drafter}/{loop}/tuned", drafter, compile, fused, TUNED)] * args.tuned
     loops += tuned  # last: they compile the most, and --stop-after drops them first
-    if args.paired:  # each loop again beside itself, with each option on; the lean baseline as gpt-fast has it
+    if args.paired:  # each loop again beside itself, each switch flipped; the lean baseline as gpt-fast has it
         import specpass
-        backends, paired = {option: specpass.backend(**{option: True}) for option in args.paired}, []
+        backends, paired = dict(harness.flipped(option) for option in args.paired), []
+        backends = {suffix: specpass.backend(**options) for suffix, options in backends.items()}
         for name, drafter, compile, *rest in loops:
             paired.append((name, drafter, compile, *rest))
             if compile == "specpass":
-                paired += [(f"{name}+{option}", drafter, backend, *rest) for option, backend in backends.items()]
+                paired += [(f"{name}+{suffix}", drafter, backend, *rest) for suffix, backend in backends.items()]
         loops = paired
     for bs in args.bs:
         batches = bench.batches(bs)

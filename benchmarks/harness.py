@@ -34,7 +34,15 @@ import torch
 
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: checkpoints/, docs/
-PAIRED = ("pdl", "gemv")  # specpass options a loop variant also runs with, beside itself (VARIANT+OPTION)
+PAIRED = ("pdl", "gemv")  # specpass switches a loop variant also runs with flipped, beside itself (VARIANT+SUFFIX)
+
+
+def flipped(option: str) -> tuple[str, dict[str, bool]]:
+    """A switch of PAIRED against its default: the variant's suffix ("pdl", "no-gemv") and its options."""
+    from specpass.options import Options
+
+    on = not getattr(Options(), option)
+    return (option if on else f"no-{option}"), {option: on}
 
 
 # --- what ran where
@@ -239,6 +247,24 @@ def time_candidates(candidates: dict[str, Callable[[], torch.Tensor]], ref: torc
         except Exception as exc:  # a candidate that refuses these shapes says why
             out[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     return out
+
+
+def gaps_per_round(prof, rounds: int, long_us: float = 5.0) -> dict:
+    """The GPU's idle time between consecutive device activities (kernels, copies), over the middle
+    80% of them (the rounds, not the prefill's eager kernels nor the end), per round: all of it, the
+    gaps of `long_us` or more (a launch from the host: a graph's, a copy's) and the longest one."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    window = spans[len(spans) // 10: len(spans) * 9 // 10]
+    if len(window) < 2:
+        raise ValueError(f"{len(spans)} device activities profiled: too few to measure gaps (profile a GPU run)")
+    gaps, busy_until = [], window[0][1]
+    for start, end in window[1:]:  # idle: no activity running, whichever ran longest (streams overlap)
+        gaps.append(max(0.0, start - busy_until))
+        busy_until = max(busy_until, end)
+    share = rounds * len(window) / max(len(spans), 1)  # rounds the window covers
+    long = [g for g in gaps if g >= long_us]
+    return dict(idle_us=round(sum(gaps) / share, 1), long=round(len(long) / share, 2),
+                long_us=round(sum(long) / share, 1), longest_us=round(max(gaps, default=0.0), 1))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ request, the held-out prompts (checkpoints/prompts.json, byte tokenizer models/t
   hf-assisted       model.generate(assistant_model=the draft): bs 1 only (transformers' limit), eager
   LOOP+guards       a loop variant (specpass/*, zoo/*) with Dynamo's guards evaluated every round
                     (`Decoder.generate` skips them from round 3 on)
-  LOOP+OPTION       a loop variant compiled with `specpass.backend(OPTION=True)` (OPTION: pdl or gemv)
+  LOOP+pdl, LOOP+no-gemv   a loop variant compiled with that specpass switch flipped from its default
+                    (Inductor's programmatic dependent launch on; the GEMV pass off)
 Ours: specpass with Inductor, CUDA graphs and the fused round on a GPU (specpass.generate's defaults);
 on CPU the rewritten graphs run eagerly (--quick: no torch.compile at all). Every variant runs once
 to compile and warm up (torch.compiler.reset() runs between batch sizes: compile_s at a later size
@@ -166,10 +167,11 @@ class Bench:
             base, _, suffix = name.partition("+")
             if base in others and not suffix:
                 return others[base]()
-            if base not in loops or suffix not in ("", "guards", *harness.PAIRED):
+            flips = dict(harness.flipped(option) for option in harness.PAIRED)
+            if base not in loops or suffix not in ("", "guards", *flips):
                 return None
-            if suffix in harness.PAIRED:  # the loop compiled with that specpass option on (on CPU: as without)
-                return loops[base](specpass.backend(**{suffix: True}) if self.compile == "specpass" else self.compile)
+            if suffix in flips:  # the loop compiled with that specpass switch flipped (on CPU: as without)
+                return loops[base](specpass.backend(**flips[suffix]) if self.compile == "specpass" else self.compile)
             run = loops[base](self.compile)
             return guarded(run) if suffix == "guards" else run  # "+guards": every round under full guards
 

@@ -19,9 +19,9 @@ class Options:
     # A topk over a short static row (<= 512) runs as a stable sort and a slice, on CUDA: Inductor
     # lowers that to one Triton kernel instead of ATen's two top-k kernels.
     topk_sort: bool = True
-    # A linear of at most 4 rows (or symbolic ones, settled per call) runs as the library's one-pass
-    # GEMV kernel (torch.ops.specpass.gemv) instead of cuBLAS, on CUDA. Off until measured in a step.
-    gemv: bool = False
+    # A linear of one row (up to 4 of a small weight; symbolic rows settled per call) runs as the
+    # library's one-pass GEMV kernel (torch.ops.specpass.gemv) instead of cuBLAS, on CUDA.
+    gemv: bool = True
     # Repeated layers compiled once: the next layer's head (its norm) moves into each layer's body,
     # so that Inductor fuses it with the residual add that ends the layer (one kernel per seam).
     seams: bool = True
@@ -46,7 +46,8 @@ class Options:
     # "eager": eager's index, the first probability equal to the maximum after rounding.
     argmax_ties: str = "input"
     # Exact mode: every op that adds floats runs as a row-invariant kernel (passes/exact.py), and
-    # a graph that cannot be made so is refused. Turns split_kv off (its kernel splits by rows).
+    # a graph that cannot be made so is refused. Turns split_kv off (its kernel splits by rows) and
+    # gemv (exact mode's own linear is row-invariant).
     exact: bool = False
     # Backend only: "inductor" compiles the rewritten graph, "eager" runs it as is.
     handoff: str = "inductor"
@@ -86,5 +87,5 @@ class Options:
             raise ValueError("specpass options exact=True and gemv=True: exact mode runs every linear as its "
                              "row-invariant kernel; leave gemv out")
         if options.get("exact"):
-            options = {**options, "split_kv": False}
+            options = {**options, "split_kv": False, "gemv": False}
         return cls(**options)

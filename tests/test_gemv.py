@@ -1,4 +1,4 @@
-"""The GEMV pass: a linear of at most 4 static rows on CUDA runs as `torch.ops.specpass.gemv`. On
+"""The GEMV pass: a linear of one row (up to 4 of a small weight) on CUDA runs as `torch.ops.specpass.gemv`. On
 CPU the graphs are traced with fake CUDA tensors (the pass reads only fake tensors) and the
 rewritten graphs then run on real CPU tensors (the op's CPU implementation) against the original;
 the refusals, each with its reason. The Triton kernel: tests/test_kernels.py, on a GPU."""
@@ -84,9 +84,9 @@ return gemv_2""")
         the linears after its gather run as GEMVs."""
         result = traced(mlp_and_heads, (1, 5, 64), *SHAPES[1:])
         self.assertExpectedInline(verdicts(result), """\
-[gemv] left alone linear: 5 rows > 4: the kernel reads the weight once per row (from L2 after the first), a GEMM once for all
-[gemv] left alone linear_1: 5 rows > 4: the kernel reads the weight once per row (from L2 after the first), a GEMM once for all
-[gemv] left alone matmul: 5 rows > 4: the kernel reads the weight once per row (from L2 after the first), a GEMM once for all""")
+[gemv] left alone linear: 5 rows > 4 against a 256 x 64 weight: the kernel takes up to 4 rows of a small weight and one of a larger one (kernels.gemv.kernel_rows); a GEMM is faster past that
+[gemv] left alone linear_1: 5 rows > 4 against a 64 x 128 weight: the kernel takes up to 4 rows of a small weight and one of a larger one (kernels.gemv.kernel_rows); a GEMM is faster past that
+[gemv] left alone matmul: 5 rows > 4 against a 258 x 64 weight: the kernel takes up to 4 rows of a small weight and one of a larger one (kernels.gemv.kernel_rows); a GEMM is faster past that""")
         result = traced(mlp_and_head, (1, 5, 64), *SHAPES[1:])
         self.assertExpectedInline(verdicts(result), """\
 [gemv] rewrote linear: runs as specpass.gemv (1 row against a 256 x 64 weight, one pass over it) instead of cuBLAS
@@ -144,7 +144,8 @@ def fakes(mode, x_shape, w_shape, dtype=torch.bfloat16, b_shape=None):
 
 class TestRefusals(expecttest.TestCase):
     def test_rows(self):
-        self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), (5, 64), (32, 64))), """5 rows > 4: the kernel reads the weight once per row (from L2 after the first), a GEMM once for all""")
+        self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), (5, 64), (32, 64))), """5 rows > 4 against a 32 x 64 weight: the kernel takes up to 4 rows of a small weight and one of a larger one (kernels.gemv.kernel_rows); a GEMM is faster past that""")
+        self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), (2, 4096), (1024, 4096))), """2 rows > 1 against a 1024 x 4096 weight: the kernel takes up to 4 rows of a small weight and one of a larger one (kernels.gemv.kernel_rows); a GEMM is faster past that""")  # 8 MiB
 
     def test_dtype(self):
         self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), (1, 64), (32, 64), torch.float64)), """torch.float64: the kernel takes one dtype for x, the weight and the bias, bf16, fp16 or fp32""")
@@ -158,9 +159,18 @@ class TestRefusals(expecttest.TestCase):
         self.assertExpectedInline(refusal(*fakes(FakeTensorMode(), (1, 64), (32, 64), b_shape=(1,))), """the bias is [1], not [32]: the kernel adds one value per output column""")
 
 
+def test_small_weight_rows_fire():
+    """Up to 4 rows of a weight of at most 2 MiB: the kernel's time there is its launch's."""
+    for rows, w_shape in [(4, (32, 64)), (2, (1024, 1024))]:  # 2 MiB in bf16
+        gm = _linear_graph(*fakes(FakeTensorMode(), (rows, w_shape[1]), w_shape))
+        (finding,) = gemv.run(gm, Options(gemv=True))
+        assert finding.fired, finding.message
+
+
 def test_symbolic_rows_are_the_op_s_to_settle():
-    """A batch compiled once for every size: the op runs the kernel at up to 4 rows a call and cuBLAS
-    above, so the pass fires, without a guard on the rows."""
+    """A batch compiled once for every size: the op runs the kernel at up to 4 rows a call of a small
+    weight and cuBLAS above, so the pass fires, without a guard on the rows. A symbolic size is at
+    least 2 (Dynamo specializes 0 and 1), so a larger weight's linear is cuBLAS's at every size."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -172,6 +182,9 @@ def test_symbolic_rows_are_the_op_s_to_settle():
     assert finding.fired and message == ("runs as specpass.gemv (sN rows, symbolic, against a 32 x 64 weight): one "
                                          "pass over it at up to 4 rows a call, cuBLAS above"), message
     assert gm.graph.find_nodes(op="call_function", target=torch.ops.specpass.gemv.default) and not env.guards
+    gm = _linear_graph(*fakes(FakeTensorMode(shape_env=env), (rows, 4096), (1024, 4096)))
+    (finding,) = gemv.run(gm, Options(gemv=True))
+    assert not finding.fired and "rows > 1 against a 1024 x 4096 weight" in finding.message
 
 
 @pytest.mark.parametrize("case", ["cpu", "batched"])
@@ -184,9 +197,12 @@ def test_not_a_candidate(case):
     assert not result.graph_module.graph.find_nodes(op="call_function", target=torch.ops.specpass.gemv.default)
 
 
-def test_off_by_default_and_not_with_exact():
-    result = specpass.rewrite(fake_ir(mlp_and_head, *SHAPES, device="cuda", dtype=torch.bfloat16))
-    assert result.report.of("gemv") == []
-    assert not result.graph_module.graph.find_nodes(op="call_function", target=torch.ops.specpass.gemv.default)
+def test_on_by_default_and_off_in_exact_mode():
+    def fired(**options):
+        result = specpass.rewrite(fake_ir(mlp_and_head, *SHAPES, device="cuda", dtype=torch.bfloat16), **options)
+        return [f.fired for f in result.report.of("gemv")]
+
+    assert fired() == [True] * 3
+    assert fired(gemv=False) == [] and fired(exact=True) == []
     with pytest.raises(ValueError, match="exact=True and gemv=True"):
         Options.make(exact=True, gemv=True)

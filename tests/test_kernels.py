@@ -397,13 +397,14 @@ def gemv_case(rows, n, k, dtype, bias, device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows,n,k", GEMV_SHAPES)
 def test_gemv_is_the_linear_rounded_once(rows, n, k, dtype, bias):
-    """torch.ops.specpass.gemv against the fp64 linear: within one rounding of the output (the fp32
-    sums of K products add at most K ulps of fp32, far below a 16-bit ulp); in 16 bits, as close as
-    F.linear, which rounds the same sums once too."""
-    import specpass.kernels  # noqa: F401  registers torch.ops.specpass.gemv
+    """The GEMV kernel against the fp64 linear, at every row count it is written for (the op takes
+    it at fewer: kernels.gemv.kernel_rows): within one rounding of the output (the fp32 sums of K
+    products add at most K ulps of fp32, far below a 16-bit ulp); in 16 bits, as close as F.linear,
+    which rounds the same sums once too."""
+    from specpass.kernels import triton_gemv
 
     x, w, b, want = gemv_case(rows, n, k, dtype, bias, "cuda")
-    got = torch.ops.specpass.gemv(x, w, b)
+    got = triton_gemv.gemv(x, w, b)
     assert got.shape == (rows, n) and got.dtype == dtype
     ulp = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -20}[dtype]
     torch.testing.assert_close(got.double(), want, rtol=ulp, atol=ulp * want.abs().max().item())
@@ -413,12 +414,16 @@ def test_gemv_is_the_linear_rounded_once(rows, n, k, dtype, bias):
 
 
 @cuda
-def test_gemv_above_its_rows_is_f_linear():
-    """Past MAX_ROWS (a symbolic batch's larger calls) the op is cuBLAS's linear, bit for bit."""
-    from specpass.kernels.gemv import MAX_ROWS
+@pytest.mark.parametrize("rows,n,k,kernel", [(1, 4096, 4096, True), (4, 64, 256, True), (5, 64, 256, False),
+                                             (2, 4096, 4096, False)])
+def test_gemv_op_runs_the_kernel_within_its_rows(rows, n, k, kernel):
+    """The op at a call's rows (a symbolic batch's calls): the kernel at one row, or up to 4 of a
+    small weight; past that cuBLAS's linear, bit for bit."""
+    from specpass.kernels import triton_gemv
 
-    x, w, b, _ = gemv_case(MAX_ROWS + 1, 4096, 4096, torch.bfloat16, True, "cuda")
-    assert torch.equal(torch.ops.specpass.gemv(x, w, b), F.linear(x, w, b))
+    x, w, b, _ = gemv_case(rows, n, k, torch.bfloat16, True, "cuda")
+    want = triton_gemv.gemv(x, w, b) if kernel else F.linear(x, w, b)
+    assert torch.equal(torch.ops.specpass.gemv(x, w, b), want)
 
 
 @cuda
@@ -434,7 +439,8 @@ def test_gemv_composes_with_the_backend_and_cuda_graphs():
     w1, w2 = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) / 16 for shape in [(512, 256), (256, 512)])
     for rows in (1, 5):
         h = torch.randn(1, rows, 256, device="cuda", dtype=torch.bfloat16)
-        compiled = torch.compile(step, backend=specpass.backend(gemv=True), mode="reduce-overhead", fullgraph=True)
+        compiled = torch.compile(step, backend=specpass.backend(), mode="reduce-overhead", fullgraph=True,
+                                 dynamic=False)  # the rows static: the second size is not a symbolic batch
         with collecting_reports() as reports:
             for _ in range(3):  # warm-up, record, replay
                 got = compiled(h, w1, w2)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.e2e import gaps_per_round
+from benchmarks.harness import gaps_per_round
 
 
 def event(start, end, device="CUDA"):

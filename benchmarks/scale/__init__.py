@@ -14,13 +14,17 @@ projected speedup uses the shipped pair's measured acceptance per draft position
 
 Per point (batch size x prompt length), each variant is built, compiled, timed and dropped in turn
 (they share the weights; each sets up its own caches):
-  decode         the target alone (K = 0), one fused graph per step: the baseline
+  decode         the target alone (K = 0), one fused graph per step: the loop's plain decoding
+  lean           the lean baseline (benchmarks/lean.py, gpt-fast's decoding) on the same target
+                 (not at tensor parallel, nor at --direct-at points); the faster of it and decode
+                 is each point's baseline:
+                 "round / baseline" and the projected speedup are against it
   specpass       the fused round (one graph per round), specpass backend
   inductor       the fused round, plain Inductor (at --inductor-at points)
   specpass-no-split-kv  the fused round, specpass without its split-KV attention kernel
                  (`specpass.backend(split_kv=False)`) (at --no-split-kv-at points)
-  decode-gemv, specpass-gemv   decode and specpass with the GEMV pass (`specpass.backend(gemv=True)`)
-                 (at --gemv-at points)
+  decode-no-gemv, specpass-no-gemv   decode and specpass without the GEMV pass
+                 (`specpass.backend(gemv=False)`: cuBLAS's linears) (at --no-gemv-at points)
   apart          specpass, steps compiled apart, CUDA events after each step: the phase split
                  (draft / verify / accept / catch-up) (at --apart-at points)
 At --tune-at points the loop picks K itself (`Decoder.tune_k` at --tune-ks, the shipped acceptance,

@@ -53,8 +53,10 @@ def attention_bench(bs: int, queries: int, slots: int, device: torch.device) -> 
     return dict(bs=bs, queries=queries, slots=slots, **harness.time_candidates(variants, ref))
 
 
-def kernel_profile(dec: Decoder, prompts, short: int, long: int) -> list[dict]:
-    """GPU time per round by kernel name: a profiled long generate minus a profiled short one."""
+def kernel_profile(dec: Decoder, prompts, short: int, long: int) -> dict:
+    """A round on the GPU, from a profiled long generate minus a profiled short one: its kernels and
+    their summed time, the idle time between them (`harness.gaps_per_round`, the long run's), and
+    the kernels by name, the most time first."""
     from torch.profiler import ProfilerActivity, profile
 
     per_run = []
@@ -74,7 +76,9 @@ def kernel_profile(dec: Decoder, prompts, short: int, long: int) -> list[dict]:
         us0, calls0 = t0.get(name, (0.0, 0))
         rows.append(dict(kernel=name[:120], kind=kernel_kind(name), ms=(us - us0) / 1e3 / (r1 - r0),
                          calls=(calls - calls0) / (r1 - r0)))
-    return sorted(rows, key=lambda r: -r["ms"])
+    rows.sort(key=lambda r: -r["ms"])
+    return dict(gpu_ms=sum(r["ms"] for r in rows), kernels=sum(r["calls"] for r in rows),
+                gaps=harness.gaps_per_round(prof, r1), top=rows[:40])
 
 
 def kernel_kind(name: str) -> str:

@@ -11,35 +11,40 @@ def projected(result: dict, r: dict, decode_ms: float) -> float:
     return expected_accept_length(result["acceptance"][: r["k"]]) * decode_ms / r["round_ms"]
 
 
+def baseline_ms(at: list[dict]) -> float | None:
+    """A point's baseline: the faster of the loop's plain decoding and the lean baseline's step."""
+    return min((x["round_ms"] for x in at if x["variant"] in ("decode", "lean")), default=None)
+
+
 def tables(result: dict) -> str:
     env, ceil = result["env"], result["ceilings"]
     lines = [f"{env['device']}, torch {env['torch']}, {env['dtype']}; measured ceilings: copy "
              f"{ceil['bandwidth'] / 1e12:.2f} TB/s, bf16 matmul {ceil['flops'] / 1e12:.0f} TFLOP/s; acceptance per "
              "position (shipped pair): " + " ".join(f"{a:.2f}" for a in result["acceptance"]), "",
-             "| bs | prompt | variant | K | ms/round | floor ms | / floor | round / decode | specpass / inductor | "
+             "| bs | prompt | variant | K | ms/round | floor ms | / floor | round / baseline | specpass / inductor | "
              "accepted length (shipped) | projected speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = result["rows"]
     for r in rows:
         at = [x for x in rows if (x["bs"], x["prompt"]) == (r["bs"], r["prompt"])]
-        decode = next((x["round_ms"] for x in at if x["variant"] == "decode"), None)
+        baseline = baseline_ms(at)
         base = next((x["round_ms"] for x in at if x["variant"] == "inductor" and x["k"] == r["k"]), None)
         floor = r["floor_ms"]["round" if r["k"] else "decode"]
-        ratio = f"{r['round_ms'] / decode:.2f}" if decode and r["k"] else "-"
+        ratio = f"{r['round_ms'] / baseline:.2f}" if baseline and r["k"] else "-"
         vs = f"{base / r['round_ms']:.3f}x" if base and r["variant"].startswith("specpass") else "-"
         accept = f"{expected_accept_length(result['acceptance'][:r['k']]):.2f}" if r["k"] else "-"
-        speedup = f"{projected(result, r, decode):.2f}x" if decode and r["k"] and r["variant"] != "apart" else "-"
+        speedup = f"{projected(result, r, baseline):.2f}x" if baseline and r["k"] and r["variant"] != "apart" else "-"
         lines.append(f"| {r['bs']} | {r['prompt']} | {r['variant']} | {r['k'] or '-'} | {r['round_ms']:.3f} | "
                      f"{floor:.3f} | {r['round_ms'] / floor:.2f} | {ratio} | {vs} | {accept} | {speedup} |")
     if result.get("trees"):
         lines += ["", "| bs | prompt | tree (topk, steps, tokens) | ms/round | chain K = steps ms/round | tree / chain | "
-                  "round / decode |", "|---|---|---|---|---|---|---|"]
+                  "round / baseline |", "|---|---|---|---|---|---|---|"]
     for t in result.get("trees", []):
         at = [x for x in rows if (x["bs"], x["prompt"]) == (t["bs"], t["prompt"])]
-        decode = next((x["round_ms"] for x in at if x["variant"] == "decode"), None)
+        baseline = baseline_ms(at)
         chain = next((x["round_ms"] for x in at if x["variant"] == "specpass" and x["k"] == t["steps"]), None)
         lines.append(f"| {t['bs']} | {t['prompt']} | {t['tree']} | {t['round_ms']:.3f} | "
                      + (f"{chain:.3f} | {t['round_ms'] / chain:.3f}" if chain else "- | -")
-                     + (f" | {t['round_ms'] / decode:.2f} |" if decode else " | - |"))
+                     + (f" | {t['round_ms'] / baseline:.2f} |" if baseline else " | - |"))
     apart = [r for r in rows if r.get("phase_ms")]
     if apart:
         lines += ["", "| bs | prompt | K | phase | ms (steps apart, CUDA events) | floor ms | / floor |",
@@ -86,13 +91,16 @@ def tables(result: dict) -> str:
             cells = [f"{a[n + '_us']:.1f} ({a[n + '_err']:.1e})" if n + "_us" in a else "refused" for n in names]
             lines.append(f"| {a['bs']} | {a['queries']} | {a['slots']} | " + " | ".join(cells) + " |")
     for where, prof in result["profiles"].items():
+        top = prof["top"] if isinstance(prof, dict) else prof  # a list: a fused specpass round, before gaps were kept
         kinds: dict[str, float] = {}
-        for p in prof:
+        for p in top:
             kinds[p["kind"]] = kinds.get(p["kind"], 0.0) + p["ms"]
-        lines += ["", f"profile {where} (fused specpass round, top kernels): "
+        whole = (f"{prof['kernels']:.1f} kernels, {prof['gpu_ms']:.3f} ms on the GPU, idle {prof['gaps']['idle_us']} us "
+                 f"a round; " if isinstance(prof, dict) else "")
+        lines += ["", f"profile {where}: {whole}top kernels "
                   + ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])),
                   "| kernel | kind | ms/round | calls/round |", "|---|---|---|---|"]
-        lines += [f"| `{p['kernel'][:70]}` | {p['kind']} | {p['ms']:.3f} | {p['calls']:.0f} |" for p in prof[:12]]
+        lines += [f"| `{p['kernel'][:70]}` | {p['kind']} | {p['ms']:.3f} | {p['calls']:.0f} |" for p in top[:12]]
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import specpass
 from benchmarks import harness
+from benchmarks.lean import LeanDecoder
 from models import zoo
 from models.drafters import adapt
 from models.tp import tensor_parallel
@@ -74,8 +75,13 @@ class Bench:
         return head
 
     def decoder(self, bs: int, max_len: int, k: int | TreeShape, backend: str | dict[str, Any], fused: bool) -> Decoder:
-        """K drafts per round (0: the target alone) or a tree shape; backend: "specpass", "inductor" or
-        specpass options."""
+        """K drafts per round (0: the target alone) or a tree shape; backend: "specpass", "inductor",
+        specpass options, or "lean" (the lean baseline, K 0)."""
+        if backend == "lean":
+            if self.group is not None:
+                raise ValueError("the lean baseline runs on one device: leave the lean variant out at tensor parallel")
+            return LeanDecoder(self.target, max_batch=bs, max_len=max_len, mode=self.mode,
+                               backend="eager" if self.args.quick else "inductor")
         if isinstance(k, TreeShape) and "eagle3" not in self.heads:
             self.heads["eagle3"] = self._head(zoo.config(f"{self.base}-eagle3"))
         head = self.heads["eagle3"] if isinstance(k, TreeShape) else self.head

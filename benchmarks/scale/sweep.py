@@ -19,9 +19,10 @@ SHIPPED = {  # --drafter -> its measured acceptance: a file and the rows of it t
     "parallel": (harness.ROOT / "docs" / "acceptance_parallel3.json", dict(kind="parallel")),  # the two-layer head
     "block": (harness.ROOT / "docs" / "e2e_dflash.json", dict(variant="dflash/specpass-fused", dtype="bfloat16"))}
 # variant -> (its compiler: "specpass", "inductor" or specpass options; one graph per round)
-VARIANTS = {"decode": ("specpass", True), "specpass": ("specpass", True), "inductor": ("inductor", True),
+VARIANTS = {"decode": ("specpass", True), "lean": ("lean", True), "specpass": ("specpass", True),
+            "inductor": ("inductor", True),
             "specpass-no-split-kv": (dict(split_kv=False), True), "apart": ("specpass", False),
-            "decode-gemv": (dict(gemv=True), True), "specpass-gemv": (dict(gemv=True), True)}
+            "decode-no-gemv": (dict(gemv=False), True), "specpass-no-gemv": (dict(gemv=False), True)}
 START = time.perf_counter()
 
 
@@ -79,13 +80,14 @@ def sweep(args, save) -> dict:
         max_len = slots(prompt)
         context = prompt + long // 2  # slots a request sees, on average over the timed rounds
         prompts = bench.prompts(bs, prompt)
-        runs = [("decode", 0)] + [("specpass", k) for k in [args.k, *(args.k_sweep if (bs, prompt) in args.k_sweep_at
+        lean = [] if (bs, prompt) in args.direct_at else [("lean", 0)]  # its prefill's logits: every position's
+        runs = [("decode", 0), *lean] + [("specpass", k) for k in [args.k, *(args.k_sweep if (bs, prompt) in args.k_sweep_at
                                                                       else [])]]
         runs += [(variant, args.k) for variant, at in (("inductor", args.inductor_at),
                                                         ("specpass-no-split-kv", args.no_split_kv_at),
                                                         ("apart", args.apart_at)) if (bs, prompt) in at]
-        if (bs, prompt) in args.gemv_at:
-            runs += [("decode-gemv", 0), ("specpass-gemv", args.k)]
+        if (bs, prompt) in args.no_gemv_at:
+            runs += [("decode-no-gemv", 0), ("specpass-no-gemv", args.k)]
         if (bs, prompt) in args.tune_at:  # the tuning times specpass at its K
             runs = [r for r in runs if r[0] != "specpass"]
         for variant, k in runs:
@@ -101,8 +103,8 @@ def sweep(args, save) -> dict:
             with harness.exclusive(args.gpu_lock):
                 if variant == "apart":
                     row.phase_ms = dec.generate(prompts, long, timing=True).metrics.phase_ms
-                if variant == "specpass" and k == args.k and (bs, prompt) in args.profile_at and dev.type == "cuda":
-                    result["profiles"][f"{bs}x{prompt}"] = kernel_profile(dec, prompts, short, long)[:40]
+                if variant != "apart" and (bs, prompt) in args.profile_at and dev.type == "cuda":
+                    result["profiles"][f"{bs}x{prompt} {variant} K {k}"] = kernel_profile(dec, prompts, short, long)
             result["rows"].append(row.asdict())
             save(result)
             print(f"  bs {bs} prompt {prompt} {variant} K {k}: {ms:.3f} ms/round ({row.seconds:.0f} s)",

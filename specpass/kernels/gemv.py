@@ -4,10 +4,17 @@ routes to it). On CUDA kernels/triton_gemv.py, imported on first use; elsewhere 
     y = gemv(x, w, b)    # x [..., K], w [N, K], b [N] or None -> [..., N], x's dtype
 
 The same value as `F.linear` up to the order of its fp32 sums: products of x's dtype summed in
-fp32, the bias added in fp32, rounded once. The kernel reads the weight once per row (the rows'
-programs side by side, so the second row on reads it from L2): a call of more than MAX_ROWS rows
-runs `F.linear` instead, whose GEMM reads it once for all. A graph whose rows are symbolic (a
-batch compiled once for every size) gets each at its own size.
+fp32, the bias added in fp32, rounded once. Which calls the kernel takes (`kernel_rows`), from
+`python -m benchmarks.linears` on an H200 (docs/results.md, issue 49's seventh measurement):
+
+- one row, any weight: a Llama-3-8B decode step's linears at 1.06-1.09x their bytes' floor, where
+  cuBLAS's kernels take 1.13-1.14x;
+- up to MAX_ROWS rows of a weight of at most SMALL_WEIGHT_BYTES: a call of such a weight is its
+  launch's latency, 1.5-1.8 us against cuBLAS's 2.1-2.5 us at 1-4 rows;
+- anything else `F.linear`: at 2 rows of a 12 MB weight and more, cuBLAS's GEMM is faster.
+
+A graph whose rows are symbolic (a batch compiled once for every size) gets each call settled at
+its own size.
 """
 
 from __future__ import annotations
@@ -16,7 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-MAX_ROWS = 4
+MAX_ROWS = 4  # rows the kernel takes at most: its programs hold every row's sums at once
+SMALL_WEIGHT_BYTES = 2 << 20  # weights up to this take the kernel at up to MAX_ROWS rows, larger ones at one
+
+
+def kernel_rows(n: int, k: int, itemsize: int) -> int:
+    """The most rows a call of an [n, k] weight runs through the kernel (more: F.linear)."""
+    return MAX_ROWS if n * k * itemsize <= SMALL_WEIGHT_BYTES else 1
 
 
 @torch.library.custom_op("specpass::gemv", mutates_args=())
@@ -26,7 +39,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 @gemv.register_kernel("cuda")
 def _(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    if x.numel() > MAX_ROWS * x.shape[-1]:
+    if x.numel() > kernel_rows(*weight.shape, weight.element_size()) * x.shape[-1]:
         return F.linear(x, weight, bias)
     from specpass.kernels import triton_gemv
 

@@ -57,7 +57,7 @@ def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
 def exact_backend(compile: str | Callable) -> Callable:
     """compile ("specpass", or a specpass backend: `checks.check_exact`) with the exact pass on."""
     options = dataclasses.asdict(compile.options) if compile != "specpass" else {}
-    return backend(**{**options, "exact": True, "split_kv": False})
+    return backend(**{**options, "exact": True, "split_kv": False, "gemv": False})
 
 
 def savable(backend: str | Callable) -> bool:

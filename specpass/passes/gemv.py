@@ -1,27 +1,27 @@
 """GEMV: a linear of a few rows runs as the library's one-pass kernel
 (`torch.ops.specpass.gemv`) instead of cuBLAS.
 
-    y = linear(x, w, b)          # x [..., K] of at most 4 rows (or symbolic), w [N, K] contiguous
+    y = linear(x, w, b)          # x [..., K] of one row (up to 4 of a small w, or symbolic), w [N, K] contiguous
 ->  y = gemv(x, w, b)
     y = mm(x, wt) / matmul(x, wt)   # wt [K, N] the transpose of a contiguous [N, K] (x @ w.t())
 ->  y = gemv(x, wt.t())             # a view: the weight as it is stored
 
 At one row a linear reads its weight once and does two FLOPs a weight element: its time is the
-weight's bytes. cuBLAS's kernels for it run at 1.00-1.59x that floor on an H200 at Llama-3-8B
-shape (1.12x over a decode step's linears), the kernel at 0.95-1.29x (1.045x): docs/results.md,
-issue 49's sixth measurement. Its value differs from cuBLAS's by the order of the fp32 sums, as
-cuBLAS's own choice of kernel makes it differ between row counts.
+weight's bytes. cuBLAS's kernels for it run at 1.01-1.68x that floor on an H200 at Llama-3-8B
+shape (1.13x over a decode step's linears), the kernel at 0.95-1.32x (1.06x); a weight of a few
+hundred KB is its launch's latency, where the kernel takes 1.5-1.8 us at 1 to 4 rows and cuBLAS
+2.1-2.5 us (docs/results.md, issue 49's seventh measurement). Its value differs from cuBLAS's by the
+order of the fp32 sums, as cuBLAS's own choice of kernel makes it differ between row counts.
 
 When, proven from the fake tensors: CUDA; x and w (and b) of one dtype, bf16, fp16 or fp32; w 2-D
 and contiguous (the kernel reads its rows; a copy each call would cost more than it saves); b
-None or [N]; the rows (x's elements over K) not known to be more than MAX_ROWS (4: each row's
-programs read a block of the weight side by side, the first from DRAM, the rest from L2). Symbolic
-rows (a batch compiled once for every size) are the op's to settle at each call: the kernel up to
-MAX_ROWS, cuBLAS above. N and K static. Not a candidate: a linear on another device, a matmul whose
-second operand is not 2-D.
+None or [N]; the rows (x's elements over K) not known to be more than `kernels.gemv.kernel_rows`
+(1, or 4 for a weight of at most 2 MiB: past one row a large weight's GEMM is faster). Symbolic
+rows (a batch compiled once for every size) are the op's to settle at each call; Dynamo's symbolic
+sizes are at least 2, so only small weights fire there. N and K static. Not a candidate: a linear
+on another device, a matmul whose second operand is not 2-D.
 
-Off by default (`gemv=False`): measured alone, not yet in a step. Exact mode routes linears to its
-row-invariant kernel instead, and refuses this one.
+On by default. Exact mode routes linears to its row-invariant kernel instead and turns this off.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from specpass.graph import bind, emit, known, static_int, val
-from specpass.kernels.gemv import MAX_ROWS
+from specpass.kernels.gemv import MAX_ROWS, kernel_rows
 from specpass.options import Options
 from specpass.report import Finding
 
@@ -61,7 +61,7 @@ def run(gm: fx.GraphModule, options: Options) -> list[Finding]:
             out = emit(graph, torch.ops.specpass.gemv.default, (x, w, bias), name="gemv")
         node.replace_all_uses_with(out)
         graph.erase_node(node)
-        findings.append(Finding(NAME, node.name, True, _fired(rows, *val(w).shape)))
+        findings.append(Finding(NAME, node.name, True, _fired(rows, *val(w).shape, val(w).dtype.itemsize)))
     return findings
 
 
@@ -86,12 +86,12 @@ def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None, bool] | 
     return x, weight, bias, transposed
 
 
-def _fired(rows: Any, n: int, k: int) -> str:
+def _fired(rows: Any, n: int, k: int, itemsize: int) -> str:
     if isinstance(rows, int):
         return (f"runs as specpass.gemv ({rows} row{'s' * (rows != 1)} against a {n} x {k} weight, one pass over "
                 "it) instead of cuBLAS")
     return (f"runs as specpass.gemv ({rows} rows, symbolic, against a {n} x {k} weight): one pass over it at up to "
-            f"{MAX_ROWS} rows a call, cuBLAS above")
+            f"{kernel_rows(n, k, itemsize)} rows a call, cuBLAS above")
 
 
 def _stored(graph: fx.Graph, wt: fx.Node) -> fx.Node:
@@ -118,7 +118,8 @@ def _refusal(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transpose
                 "a copy each call would cost more than the kernel saves")
     if b is not None and list(b.shape) != [n]:
         return f"the bias is {list(b.shape)}, not [{n}]: the kernel adds one value per output column"
-    if known(rows > MAX_ROWS):
-        return (f"{rows} rows > {MAX_ROWS}: the kernel reads the weight once per row (from L2 after the "
-                "first), a GEMM once for all")
+    most = kernel_rows(n, k, w.dtype.itemsize)
+    if known(rows > most):
+        return (f"{rows} rows > {most} against a {n} x {k} weight: the kernel takes up to {MAX_ROWS} rows "
+                f"of a small weight and one of a larger one (kernels.gemv.kernel_rows); a GEMM is faster past that")
     return None
