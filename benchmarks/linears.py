@@ -57,7 +57,7 @@ def time_linear(n: int, k: int, rows: int, dtype: torch.dtype, names: list[str])
     weights = [torch.randn(n, k, device="cuda", dtype=dtype) / k ** 0.5 for _ in range(copies)]
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
     compiled = torch.compile(inductor_linear, dynamic=False)
-    forms = dict(cublas=lambda w: F.linear(x, w), gemv=lambda w: triton_gemv.gemv(x, w, None),
+    forms = dict(cublas=lambda w: F.linear(x, w), gemv=lambda w: triton_gemv.gemv(x, [w], None),
                  exact_linear=lambda w: torch.ops.specpass.exact_linear(x, w), inductor=lambda w: compiled(x, w))
     want = F.linear(x.double(), weights[0].double())
     out = {}

@@ -22,6 +22,9 @@ class Options:
     # A linear of one row (up to 4 of a small weight; symbolic rows settled per call) runs as the
     # library's one-pass GEMV kernel (torch.ops.specpass.gemv) instead of cuBLAS, on CUDA.
     gemv: bool = True
+    # gemv: the linears of one input (q, k and v; gate and up) in one launch, `gemv_group`: at most 4,
+    # static rows. Off until measured in a step.
+    gemv_group: bool = False
     # Repeated layers compiled once: the next layer's head (its norm) moves into each layer's body,
     # so that Inductor fuses it with the residual add that ends the layer (one kernel per seam).
     seams: bool = True

@@ -164,6 +164,7 @@ def node_matmul_flops(node: fx.Node) -> int:
         aten.addmm.default: 1,
         aten.baddbmm.default: 1,
         torch.ops.specpass.gemv.default: 0,
+        torch.ops.specpass.gemv_group.default: 0,
         torch.ops.specpass.exact_linear.default: 0,
     }.get(node.target)
     if first_operand is None:

@@ -18,9 +18,9 @@ from specpass.passes import gemv
 from specpass.testing import fake_ir, graph_str
 
 
-def traced(fn, *shapes, device="cuda", dtype=torch.bfloat16):
+def traced(fn, *shapes, device="cuda", dtype=torch.bfloat16, **options):
     """fn's IR on fake tensors of these shapes (CUDA by default), rewritten with the pass on."""
-    return specpass.rewrite(fake_ir(fn, *shapes, device=device, dtype=dtype), gemv=True)
+    return specpass.rewrite(fake_ir(fn, *shapes, device=device, dtype=dtype), gemv=True, **options)
 
 
 def verdicts(result):
@@ -110,6 +110,129 @@ def test_rewritten_graph_equals_the_original():
     assert [f.fired for f in result.report.of("gemv")] == [True]
     args = [torch.randn(shape, generator=g) for shape in [(2, 1, 32), (48, 32), (48,)]]
     torch.testing.assert_close(result.graph_module(*args), biased(*args), rtol=1e-5, atol=1e-5)
+
+
+def attention_and_mlp_inputs(h, wq, wk, wv, gate, up, down):
+    """A layer's projections kept apart, as transformers' Llama keeps them: q, k and v of one input;
+    gate and up of another; down alone."""
+    q, k, v = F.linear(h, wq), F.linear(h, wk), F.linear(h, wv)
+    x = h + (q + k.repeat(1, 1, 4) + v.repeat(1, 1, 4))
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+GROUP_SHAPES = [(1, 1, 64), (64, 64), (16, 64), (16, 64), (128, 64), (128, 64), (64, 128)]
+
+
+class TestGroups(expecttest.TestCase):
+    def test_siblings_run_in_one_launch(self):
+        result = traced(attention_and_mlp_inputs, *GROUP_SHAPES, gemv_group=True)
+        self.assertExpectedInline(graph_str(result.graph_module), """\
+h_1: bf16[1, 1, 64]
+wq_1: bf16[64, 64]
+wk_1: bf16[16, 64]
+wv_1: bf16[16, 64]
+gate_1: bf16[128, 64]
+up_1: bf16[128, 64]
+down_1: bf16[64, 128]
+gemv_group: bf16[1, 1, 96] = specpass.gemv_group(h_1, [wq_1, wk_1, wv_1], [])
+split_with_sizes_default: (bf16[1, 1, 64], bf16[1, 1, 16], bf16[1, 1, 16]) = split_with_sizes(gemv_group, [64, 16, 16], -1)
+getitem: bf16[1, 1, 64] = getitem(split_with_sizes_default, 0)
+getitem_1: bf16[1, 1, 16] = getitem(split_with_sizes_default, 1)
+getitem_2: bf16[1, 1, 16] = getitem(split_with_sizes_default, 2)
+repeat: bf16[1, 1, 64] = repeat(getitem_1, [1, 1, 4])
+add: bf16[1, 1, 64] = add.Tensor(getitem, repeat)
+repeat_1: bf16[1, 1, 64] = repeat(getitem_2, [1, 1, 4])
+add_1: bf16[1, 1, 64] = add.Tensor(add, repeat_1)
+add_2: bf16[1, 1, 64] = add.Tensor(h_1, add_1)
+gemv_group_1: bf16[1, 1, 256] = specpass.gemv_group(add_2, [gate_1, up_1], [])
+split_with_sizes_default_1: (bf16[1, 1, 128], bf16[1, 1, 128]) = split_with_sizes(gemv_group_1, [128, 128], -1)
+getitem_3: bf16[1, 1, 128] = getitem(split_with_sizes_default_1, 0)
+getitem_4: bf16[1, 1, 128] = getitem(split_with_sizes_default_1, 1)
+silu: bf16[1, 1, 128] = silu(getitem_3)
+mul: bf16[1, 1, 128] = mul.Tensor(silu, getitem_4)
+gemv: bf16[1, 1, 64] = specpass.gemv(mul, down_1, None)
+return gemv""")
+        self.assertExpectedInline(verdicts(result), """\
+[gemv] rewrote linear: runs in specpass.gemv_group with linear_1, linear_2 (1 row against 3 weights, 96 x 64 in all, one launch) instead of cuBLAS
+[gemv] rewrote linear_1: runs in specpass.gemv_group with linear, linear_2 (1 row against 3 weights, 96 x 64 in all, one launch) instead of cuBLAS
+[gemv] rewrote linear_2: runs in specpass.gemv_group with linear, linear_1 (1 row against 3 weights, 96 x 64 in all, one launch) instead of cuBLAS
+[gemv] rewrote linear_3: runs in specpass.gemv_group with linear_4 (1 row against 2 weights, 256 x 64 in all, one launch) instead of cuBLAS
+[gemv] rewrote linear_4: runs in specpass.gemv_group with linear_3 (1 row against 2 weights, 256 x 64 in all, one launch) instead of cuBLAS
+[gemv] rewrote linear_5: runs as specpass.gemv (1 row against a 64 x 128 weight, one pass over it) instead of cuBLAS""")
+
+    def test_why_a_sibling_runs_alone(self):
+        def later_weight(h, wq, wk):  # wk computed between the two linears
+            q = F.linear(h, wq)
+            return q + F.linear(h, wk * q.sum())
+
+        def strided_user(h, wq, wk):  # q's user views it across its rows
+            return F.linear(h, wq).view(-1) + F.linear(h, wk).sum()
+
+        def returned(h, wq, wk):  # the graph's outputs stay dense
+            return F.linear(h, wq), F.linear(h, wk) + 1
+
+        def one_biased(h, wq, wk, b):
+            return F.linear(h, wq, b) + F.linear(h, wk)
+
+        def five(h, w1, w2, w3, w4, w5):
+            return sum(F.linear(h, w) for w in (w1, w2, w3, w4, w5))
+
+        w = (16, 64)
+        self.assertExpectedInline(verdicts(traced(later_weight, (1, 64), w, w, gemv_group=True)), """\
+[gemv] rewrote linear: runs as specpass.gemv (1 row against a 16 x 64 weight, one pass over it) instead of cuBLAS; alone: no sibling could join its group
+[gemv] rewrote linear_1: runs as specpass.gemv (1 row against a 16 x 64 weight, one pass over it) instead of cuBLAS; alone: its weight or bias is computed after linear, where the group runs""")
+        self.assertExpectedInline(verdicts(traced(strided_user, (2, 64), w, w, gemv_group=True)), """\
+[gemv] rewrote linear: runs as specpass.gemv (2 rows against a 16 x 64 weight, one pass over it) instead of cuBLAS; alone: its user view needs it contiguous, not a group's columns
+[gemv] rewrote linear_1: runs as specpass.gemv (2 rows against a 16 x 64 weight, one pass over it) instead of cuBLAS; alone: no sibling could join its group""")
+        self.assertExpectedInline(verdicts(traced(returned, (1, 64), w, w, gemv_group=True)), """\
+[gemv] rewrote linear: runs as specpass.gemv (1 row against a 16 x 64 weight, one pass over it) instead of cuBLAS; alone: its value is the graph's output, which stays dense
+[gemv] rewrote linear_1: runs as specpass.gemv (1 row against a 16 x 64 weight, one pass over it) instead of cuBLAS; alone: no sibling could join its group""")
+        self.assertExpectedInline(verdicts(traced(one_biased, (1, 64), w, w, (16,), gemv_group=True)), """\
+[gemv] rewrote linear: runs as specpass.gemv (1 row against a 16 x 64 weight, one pass over it) instead of cuBLAS; alone: its siblings differ in dtype or in having a bias
+[gemv] rewrote linear_1: runs as specpass.gemv (1 row against a 16 x 64 weight, one pass over it) instead of cuBLAS; alone: its siblings differ in dtype or in having a bias""")
+        self.assertExpectedInline(verdicts(traced(five, (1, 64), *[w] * 5, gemv_group=True)), """\
+[gemv] rewrote linear: runs in specpass.gemv_group with linear_1, linear_2 (1 row against 3 weights, 48 x 64 in all, one launch) instead of cuBLAS
+[gemv] rewrote linear_1: runs in specpass.gemv_group with linear, linear_2 (1 row against 3 weights, 48 x 64 in all, one launch) instead of cuBLAS
+[gemv] rewrote linear_2: runs in specpass.gemv_group with linear, linear_1 (1 row against 3 weights, 48 x 64 in all, one launch) instead of cuBLAS
+[gemv] rewrote linear_3: runs in specpass.gemv_group with linear_4 (1 row against 2 weights, 32 x 64 in all, one launch) instead of cuBLAS
+[gemv] rewrote linear_4: runs in specpass.gemv_group with linear_3 (1 row against 2 weights, 32 x 64 in all, one launch) instead of cuBLAS""")
+
+
+def test_grouped_graph_equals_the_original():
+    """The grouped linears on real CPU tensors, with and without biases."""
+    result = traced(attention_and_mlp_inputs, *GROUP_SHAPES, dtype=torch.float32, gemv_group=True)
+    assert result.graph_module.graph.find_nodes(op="call_function", target=torch.ops.specpass.gemv_group.default)
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(shape, generator=g) for shape in GROUP_SHAPES]
+    torch.testing.assert_close(result.graph_module(*args), attention_and_mlp_inputs(*args), rtol=1e-5, atol=1e-5)
+
+    def biased(x, w1, w2, b1, b2):
+        return F.linear(x, w1, b1) * F.linear(x, w2, b2)
+
+    shapes = [(3, 32), (48, 32), (48, 32), (48,), (48,)]
+    result = traced(biased, *shapes, dtype=torch.float32, gemv_group=True)
+    assert [f.message.startswith("runs in specpass.gemv_group") for f in result.report.of("gemv")] == [True, True]
+    args = [torch.randn(shape, generator=g) for shape in shapes]
+    torch.testing.assert_close(result.graph_module(*args), biased(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_symbolic_siblings_run_alone():
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    rows = env.create_symintnode(env.create_symbol(2, ConstantSource("rows")), hint=2)
+    x, w1, _ = fakes(FakeTensorMode(shape_env=env), (rows, 64), (32, 64))
+    gm = _linear_graph(x, w1)
+    first = next(iter(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)))
+    with gm.graph.inserting_after(first):
+        second = gm.graph.call_function(torch.ops.aten.linear.default, first.args)
+        second.meta["val"] = first.meta["val"]
+    gm.graph.output((first, second))
+    gm.graph.erase_node(next(n for n in gm.graph.nodes if n.op == "output"))
+    findings = gemv.run(gm, Options(gemv=True, gemv_group=True))
+    assert [f.fired for f in findings] == [True, True]
+    assert all("alone: a group runs at static rows only" in f.message for f in findings), findings
 
 
 def _linear_graph(x, w, b=None, target=torch.ops.aten.linear.default):
@@ -206,3 +329,12 @@ def test_on_by_default_and_off_in_exact_mode():
     assert fired(gemv=False) == [] and fired(exact=True) == []
     with pytest.raises(ValueError, match="exact=True and gemv=True"):
         Options.make(exact=True, gemv=True)
+
+
+def test_gemv_group_bad_input():
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="1 to 4 weights and a bias for each or none; got 2 weights and 1 biases"):
+        torch.ops.specpass.gemv_group(x, [w, w], [torch.randn(4)])
+    with pytest.raises(ValueError, match="got 5 weights"):
+        torch.ops.specpass.gemv_group(x, [w] * 5, [])
+    torch.testing.assert_close(torch.ops.specpass.gemv_group(x, [w, 2 * w], []), torch.cat([x @ w.t(), 2 * x @ w.t()], -1))

@@ -404,7 +404,7 @@ def test_gemv_is_the_linear_rounded_once(rows, n, k, dtype, bias):
     from specpass.kernels import triton_gemv
 
     x, w, b, want = gemv_case(rows, n, k, dtype, bias, "cuda")
-    got = triton_gemv.gemv(x, w, b)
+    got = triton_gemv.gemv(x, [w], None if b is None else [b])
     assert got.shape == (rows, n) and got.dtype == dtype
     ulp = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11, torch.float32: 2 ** -20}[dtype]
     torch.testing.assert_close(got.double(), want, rtol=ulp, atol=ulp * want.abs().max().item())
@@ -422,7 +422,7 @@ def test_gemv_op_runs_the_kernel_within_its_rows(rows, n, k, kernel):
     from specpass.kernels import triton_gemv
 
     x, w, b, _ = gemv_case(rows, n, k, torch.bfloat16, True, "cuda")
-    want = triton_gemv.gemv(x, w, b) if kernel else F.linear(x, w, b)
+    want = triton_gemv.gemv(x, [w], [b]) if kernel else F.linear(x, w, b)
     assert torch.equal(torch.ops.specpass.gemv(x, w, b), want)
 
 
@@ -447,3 +447,45 @@ def test_gemv_composes_with_the_backend_and_cuda_graphs():
         torch.testing.assert_close(got, step(h, w1, w2), rtol=2 ** -7, atol=2 ** -7)
         [(_, report)] = reports
         assert [f.fired for f in report.of("gemv")] == [rows == 1] * 2
+
+
+@cuda
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("ns,k", [((4096, 1024, 1024), 4096), ((50, 7), 300), ((128, 128, 16, 8), 64)])
+def test_gemv_group_is_each_weight_s_gemv(ns, k, rows):
+    """One launch over 2 to 4 weights: each weight's columns bit for bit the kernel's over that
+    weight alone (the same chunks, the same order of sums), with and without biases."""
+    from specpass.kernels import triton_gemv
+    from specpass.kernels.gemv import MAX_GROUP
+
+    assert MAX_GROUP == triton_gemv.WEIGHT_SLOTS  # the pass groups what one launch reads
+    g = torch.Generator(device="cuda").manual_seed(k)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+    weights = [(torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16) for n in ns]
+    biases = [torch.randn(n, device="cuda", generator=g).to(torch.bfloat16) for n in ns]
+    for b in (None, biases):
+        got = triton_gemv.gemv(x, weights, b)
+        want = torch.cat([triton_gemv.gemv(x, [w], None if b is None else [bias])
+                          for w, bias in zip(weights, biases)], -1)
+        assert torch.equal(got, want)
+
+
+@cuda
+def test_gemv_group_composes_with_the_backend_and_cuda_graphs():
+    """q, k and v of one row in one launch under Inductor and CUDA graphs, with their values."""
+    import specpass
+    from specpass.compile_backend import collecting_reports
+
+    def step(h, wq, wk, wv):
+        return F.linear(h, wq) * torch.cat([F.linear(h, wk), F.linear(h, wv)], -1)
+
+    wq, wk, wv = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) / 16
+                  for shape in [(512, 256), (256, 256), (256, 256)])
+    h = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(step, backend=specpass.backend(gemv_group=True), mode="reduce-overhead", fullgraph=True)
+    with collecting_reports() as reports:
+        for _ in range(3):  # warm-up, record, replay
+            got = compiled(h, wq, wk, wv)
+    torch.testing.assert_close(got, step(h, wq, wk, wv), rtol=2 ** -6, atol=2 ** -6)
+    [(_, report)] = reports
+    assert all(f.fired and "gemv_group" in f.message for f in report.of("gemv")), report

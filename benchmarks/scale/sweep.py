@@ -22,7 +22,8 @@ SHIPPED = {  # --drafter -> its measured acceptance: a file and the rows of it t
 VARIANTS = {"decode": ("specpass", True), "lean": ("lean", True), "specpass": ("specpass", True),
             "inductor": ("inductor", True),
             "specpass-no-split-kv": (dict(split_kv=False), True), "apart": ("specpass", False),
-            "decode-no-gemv": (dict(gemv=False), True), "specpass-no-gemv": (dict(gemv=False), True)}
+            "decode-no-gemv": (dict(gemv=False), True), "specpass-no-gemv": (dict(gemv=False), True),
+            "decode-gemv-group": (dict(gemv_group=True), True), "specpass-gemv-group": (dict(gemv_group=True), True)}
 START = time.perf_counter()
 
 
@@ -88,6 +89,8 @@ def sweep(args, save) -> dict:
                                                         ("apart", args.apart_at)) if (bs, prompt) in at]
         if (bs, prompt) in args.no_gemv_at:
             runs += [("decode-no-gemv", 0), ("specpass-no-gemv", args.k)]
+        if (bs, prompt) in args.gemv_group_at:
+            runs += [("decode-gemv-group", 0), ("specpass-gemv-group", args.k)]
         if (bs, prompt) in args.tune_at:  # the tuning times specpass at its K
             runs = [r for r in runs if r[0] != "specpass"]
         for variant, k in runs:

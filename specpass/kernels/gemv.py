@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 MAX_ROWS = 4  # rows the kernel takes at most: its programs hold every row's sums at once
+MAX_GROUP = 4  # weights one launch of gemv_group reads (q, k and v; gate and up): triton_gemv.WEIGHT_SLOTS
 SMALL_WEIGHT_BYTES = 2 << 20  # weights up to this take the kernel at up to MAX_ROWS rows, larger ones at one
 
 
@@ -43,9 +44,44 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         return F.linear(x, weight, bias)
     from specpass.kernels import triton_gemv
 
-    return triton_gemv.gemv(x, weight, bias)
+    return triton_gemv.gemv(x, [weight], None if bias is None else [bias])
 
 
 @gemv.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _checked(weights: list[Tensor], biases: list[Tensor]) -> None:
+    if not 1 <= len(weights) <= MAX_GROUP or len(biases) not in (0, len(weights)):
+        raise ValueError(f"specpass.gemv_group takes 1 to {MAX_GROUP} weights and a bias for each or none; got "
+                         f"{len(weights)} weights and {len(biases)} biases")
+
+
+def _linears(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
+    return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))], -1)
+
+
+@torch.library.custom_op("specpass::gemv_group", mutates_args=())
+def gemv_group(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
+    """The linears of one input against 2 to 4 weights (q, k and v; gate and up), their outputs side
+    by side: [..., N_0 + N_1 + ...]; `biases` one per weight, or none ([]). On CUDA one launch reads
+    every weight, with no copy of them."""
+    _checked(weights, biases)
+    return _linears(x, weights, biases)
+
+
+@gemv_group.register_kernel("cuda")
+def _(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
+    _checked(weights, biases)
+    most = min(kernel_rows(*w.shape, w.element_size()) for w in weights)
+    if x.numel() > most * x.shape[-1]:  # the pass groups static rows within this: a direct call
+        return _linears(x, weights, biases)
+    from specpass.kernels import triton_gemv
+
+    return triton_gemv.gemv(x, weights, biases or None)
+
+
+@gemv_group.register_fake
+def _(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
+    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))

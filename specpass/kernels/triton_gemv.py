@@ -30,13 +30,31 @@ BN = 4  # weight rows a program
 MAX_BK = 1024  # K per step, at most
 MIN_EVEN_BK = 128  # a smaller power of two dividing K reads too few bytes a step: mask a tail instead
 NUM_WARPS, NUM_STAGES = 4, 3
+WEIGHT_SLOTS = 4  # weights one launch reads: the kernel's W0..W3 (gemv.MAX_GROUP)
 
 
-@triton.jit
-def _gemv(X, W, B, Out, M, N, K, sx_m, so_m, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-          EVEN_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+@triton.jit(do_not_specialize=["N0", "N1", "N2", "N3"])
+def _gemv(X, W0, W1, W2, W3, B0, B1, B2, B3, Out, M, K, sx_m, so_m, N0, N1, N2, N3, G: tl.constexpr,
+          HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BM: tl.constexpr,
+          BN: tl.constexpr, BK: tl.constexpr):
+    # The G weights laid end to end along N, W0's blocks first: this program's weight, its block in
+    # it and the block's first output column.
+    pid = tl.program_id(0)
+    W, B, N, col, blk = W0, B0, N0, pid * 0, pid
+    if G > 1:
+        start = tl.cdiv(N0, BN)
+        if pid >= start:
+            W, B, N, col, blk = W1, B1, N1, N0 + pid * 0, pid - start
+    if G > 2:
+        start = tl.cdiv(N0, BN) + tl.cdiv(N1, BN)
+        if pid >= start:
+            W, B, N, col, blk = W2, B2, N2, N0 + N1 + pid * 0, pid - start
+    if G > 3:
+        start = tl.cdiv(N0, BN) + tl.cdiv(N1, BN) + tl.cdiv(N2, BN)
+        if pid >= start:
+            W, B, N, col, blk = W3, B3, N3, N0 + N1 + N2 + pid * 0, pid - start
     rm = tl.arange(0, BM)
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rn = blk * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     x_rows = X + rm.to(tl.int64)[:, None] * sx_m
     w_rows = W + rn.to(tl.int64)[:, None] * K
@@ -55,7 +73,7 @@ def _gemv(X, W, B, Out, M, N, K, sx_m, so_m, HAS_BIAS: tl.constexpr, EVEN_N: tl.
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + rm.to(tl.int64)[:, None] * so_m + rn[None, :], y.to(Out.dtype.element_ty),
+    tl.store(Out + rm.to(tl.int64)[:, None] * so_m + (col + rn)[None, :], y.to(Out.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -69,19 +87,27 @@ def chunk(k: int, bm: int = 1) -> int:
     return min(most, triton.next_power_of_2(k))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    n, k = weight.shape
+def gemv(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor] | None) -> torch.Tensor:
+    """x [..., K] against weights [N_i, K] (at most WEIGHT_SLOTS) -> [..., sum N_i]: each weight's
+    linear in its columns, in one launch."""
+    if not 1 <= len(weights) <= WEIGHT_SLOTS:
+        raise ValueError(f"the GEMV kernel reads 1 to {WEIGHT_SLOTS} weights a launch, got {len(weights)}")
+    k = x.shape[-1]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    weight = weight.contiguous()  # a no-op for the weights the pass routes here (it requires it)
+    weights = [w.contiguous() for w in weights]  # no-ops for the weights the pass routes here (it requires it)
+    ns = [w.shape[0] for w in weights]
     m = rows.shape[0]
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if m and n:
+    out = torch.empty(m, sum(ns), device=x.device, dtype=x.dtype)
+    if m and sum(ns):
         bm = triton.next_power_of_2(m)
         bk = chunk(k, bm)
-        _gemv[(triton.cdiv(n, BN),)](rows, weight, weight if bias is None else bias, out, m, n, k, rows.stride(0),
-                                     out.stride(0), HAS_BIAS=bias is not None, EVEN_N=n % BN == 0,
-                                     EVEN_K=k % bk == 0, BM=bm, BN=BN, BK=bk,
-                    num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return out.reshape(*x.shape[:-1], n)
+        pad = WEIGHT_SLOTS - len(weights)
+        w_args = weights + weights[:1] * pad
+        b_args = (biases if biases is not None else weights) + weights[:1] * pad
+        _gemv[(sum(triton.cdiv(n, BN) for n in ns),)](
+            rows, *w_args, *b_args, out, m, k, rows.stride(0), out.stride(0), *ns, *[0] * pad, G=len(weights),
+            HAS_BIAS=biases is not None, EVEN_N=all(n % BN == 0 for n in ns), EVEN_K=k % bk == 0, BM=bm, BN=BN,
+            BK=bk, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out.reshape(*x.shape[:-1], sum(ns))
