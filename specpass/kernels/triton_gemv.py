@@ -40,19 +40,35 @@ def _gemv(X, W0, W1, W2, W3, B0, B1, B2, B3, Out, M, K, sx_m, so_m, N0, N1, N2, 
     # The G weights laid end to end along N, W0's blocks first: this program's weight, its block in
     # it and the block's first output column.
     pid = tl.program_id(0)
-    W, B, N, col, blk = W0, B0, N0, pid * 0, pid
+    W = W0
+    B = B0
+    N = N0
+    col = pid * 0
+    blk = pid
     if G > 1:
         start = tl.cdiv(N0, BN)
         if pid >= start:
-            W, B, N, col, blk = W1, B1, N1, N0 + pid * 0, pid - start
+            W = W1
+            B = B1
+            N = N1
+            col = N0 + pid * 0
+            blk = pid - start
     if G > 2:
         start = tl.cdiv(N0, BN) + tl.cdiv(N1, BN)
         if pid >= start:
-            W, B, N, col, blk = W2, B2, N2, N0 + N1 + pid * 0, pid - start
+            W = W2
+            B = B2
+            N = N2
+            col = N0 + N1 + pid * 0
+            blk = pid - start
     if G > 3:
         start = tl.cdiv(N0, BN) + tl.cdiv(N1, BN) + tl.cdiv(N2, BN)
         if pid >= start:
-            W, B, N, col, blk = W3, B3, N3, N0 + N1 + N2 + pid * 0, pid - start
+            W = W3
+            B = B3
+            N = N3
+            col = N0 + N1 + N2 + pid * 0
+            blk = pid - start
     rm = tl.arange(0, BM)
     rn = blk * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
