@@ -216,6 +216,15 @@ def test_grouped_graph_equals_the_original():
     torch.testing.assert_close(result.graph_module(*args), biased(*args), rtol=1e-5, atol=1e-5)
 
 
+def test_transposed_siblings_group():
+    """x @ w.t() siblings, each transpose made just before its matmul: the group reads the weights as
+    stored, which come before the first."""
+    result = traced(lambda x, w1, w2: (x @ w1.t()) * (x @ w2.t()), (1, 64), (32, 64), (32, 64), gemv_group=True)
+    assert [f.message.startswith("runs in specpass.gemv_group") for f in result.report.of("gemv")] == [True, True]
+    [group] = result.graph_module.graph.find_nodes(op="call_function", target=torch.ops.specpass.gemv_group.default)
+    assert all(w.op == "placeholder" for w in group.args[1])
+
+
 def test_symbolic_siblings_run_alone():
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

@@ -155,7 +155,7 @@ def _placed(order: dict[fx.Node, int], group: list[_Linear]) -> Iterator[tuple[l
     first = order[group[0].node]
     fit, alone = [], []
     for g in group:
-        operands = [n for n in (g.weight, g.bias) if n is not None]
+        operands = [n for n in (_unwrapped(g.weight) if g.transposed else g.weight, g.bias) if n is not None]
         if any(order[n] > first for n in operands):
             alone.append((g, f"its weight or bias is computed after {group[0].node.name}, where the group runs"))
         elif (why := _columns_refusal(g)) is not None:
@@ -216,11 +216,15 @@ def _fired(rows: Any, n: int, k: int, itemsize: int) -> str:
             f"{kernel_rows(n, k, itemsize)} rows a call, cuBLAS above")
 
 
+def _unwrapped(wt: fx.Node) -> fx.Node:
+    """w where `wt` is `w.t()`, else wt."""
+    return wt.args[0] if wt.op == "call_function" and wt.target is aten.t.default else wt
+
+
 def _stored(graph: fx.Graph, wt: fx.Node) -> fx.Node:
     """The [N, K] weight that `wt` ([K, N]) is the transpose of: w itself where wt is `w.t()`."""
-    if wt.op == "call_function" and wt.target is aten.t.default:
-        return wt.args[0]
-    return emit(graph, aten.t.default, (wt,))
+    w = _unwrapped(wt)
+    return w if w is not wt else emit(graph, aten.t.default, (wt,))
 
 
 def _refusal(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool, rows: Any) -> str | None:
