@@ -62,7 +62,10 @@ def backend(**options: Any) -> Callable[..., Callable]:
                              options: dict[str, Any] | None, name: str) -> Callable:
         inductor_options = dict(options or {})
         ours = {k: inductor_options.pop(k) for k in list(inductor_options) if k in Options.names()}
-        opts = Options.make(**{**dataclasses.asdict(base), **ours}) if ours else base
+        # The backend's own choices (its fields off their defaults) under the call's: a default is no
+        # choice, so options={"exact": True} turns split_kv and gemv off rather than clashing with them.
+        chosen = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if getattr(base, f.name) != f.default}
+        opts = Options.make(**{**chosen, **ours}) if ours else base
         if opts.exact:  # each op's result rounded as eager rounds it, no fused multiply-add: fusions change no bits
             inductor_options.setdefault("emulate_precision_casts", True)
         if opts.pdl and hasattr(inductor_config.triton, "enable_pdl"):

@@ -107,6 +107,23 @@ def test_mode_and_options_are_handed_to_inductor(form, given, handed, device, mo
     assert ran_with == [given.get("options", {}).get("q_slice", True)], ran_with
 
 
+def test_exact_in_compile_options_turns_off_what_it_forbids(monkeypatch):
+    """options={"exact": True} on a default backend: exact mode, with split_kv and gemv off (their
+    defaults are no choice of the user's to clash with)."""
+    from specpass import compile_backend
+
+    ran_with = []
+
+    def run_passes(gm, options):
+        ran_with.append((options.exact, options.split_kv, options.gemv))
+        return pipeline.run_passes(gm, options)
+
+    monkeypatch.setattr(compile_backend, "run_passes", run_passes)
+    fn = torch.compile(lambda x: (x * 2).sum(-1), backend=specpass.backend(handoff="eager"), options={"exact": True})
+    torch.testing.assert_close(fn(torch.ones(3, 4)), torch.full((3,), 8.0))
+    assert ran_with == [(True, False, False)], ran_with
+
+
 def test_pdl_turns_on_inductors_programmatic_dependent_launch(monkeypatch):
     """pdl=True hands Inductor `triton.enable_pdl` (which it emits on sm90 and newer), unless the
     user's own options= set it; off by default."""
