@@ -326,8 +326,8 @@ def sweep(args, save) -> list[dict]:
     loops += tuned  # last: they compile the most, and --stop-after drops them first
     if args.paired:  # each loop again beside itself, each switch flipped; the lean baseline as gpt-fast has it
         import specpass
-        backends, paired = dict(harness.flipped(option) for option in args.paired), []
-        backends = {suffix: specpass.backend(**options) for suffix, options in backends.items()}
+        backends = {suffix: specpass.backend(**options) for suffix, options in map(harness.flipped, args.paired)}
+        paired = []
         for name, drafter, compile, *rest in loops:
             paired.append((name, drafter, compile, *rest))
             if compile == "specpass":

@@ -164,11 +164,12 @@ class Bench:
         if bs == 1:
             others["hf-assisted"] = lambda: self.hf_generate(self.model, dict(assistant_model=self.draft))
 
+        flips = dict(map(harness.flipped, harness.PAIRED))  # "+no-gemv" -> dict(gemv=False)
+
         def make(name):  # built only when wanted: a zoo variant copies the models
             base, _, suffix = name.partition("+")
             if base in others and not suffix:
                 return others[base]()
-            flips = dict(harness.flipped(option) for option in harness.PAIRED)
             if base not in loops or suffix not in ("", "guards", *flips):
                 return None
             if suffix in flips:  # the loop compiled with that specpass switch flipped (on CPU: as without)

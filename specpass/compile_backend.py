@@ -8,7 +8,6 @@ warning that says which and why.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections import Counter
 import logging
 import os
@@ -62,10 +61,7 @@ def backend(**options: Any) -> Callable[..., Callable]:
                              options: dict[str, Any] | None, name: str) -> Callable:
         inductor_options = dict(options or {})
         ours = {k: inductor_options.pop(k) for k in list(inductor_options) if k in Options.names()}
-        # The backend's own choices (its fields off their defaults) under the call's: a default is no
-        # choice, so options={"exact": True} turns split_kv and gemv off rather than clashing with them.
-        chosen = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if getattr(base, f.name) != f.default}
-        opts = Options.make(**{**chosen, **ours}) if ours else base
+        opts = Options.make(**{**base.chosen(), **ours}) if ours else base
         if opts.exact:  # each op's result rounded as eager rounds it, no fused multiply-add: fusions change no bits
             inductor_options.setdefault("emulate_precision_casts", True)
         if opts.pdl and hasattr(inductor_config.triton, "enable_pdl"):

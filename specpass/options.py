@@ -83,12 +83,19 @@ class Options:
                 raise ValueError(
                     f"specpass option {name}= must be one of {list(allowed)}, got {options[name]!r}"
                 )
-        if options.get("exact") and options.get("split_kv"):
-            raise ValueError("specpass options exact=True and split_kv=True: the split-KV kernel splits the slots "
-                             "by the rows' count, which exact mode forbids; leave split_kv out")
-        if options.get("exact") and options.get("gemv"):
-            raise ValueError("specpass options exact=True and gemv=True: exact mode runs every linear as its "
-                             "row-invariant kernel; leave gemv out")
         if options.get("exact"):
-            options = {**options, "split_kv": False, "gemv": False}
+            for name, why in _OFF_IN_EXACT.items():
+                if options.get(name):
+                    raise ValueError(f"specpass options exact=True and {name}=True: {why}; leave {name} out")
+            options = {**options, **dict.fromkeys(_OFF_IN_EXACT, False)}
         return cls(**options)
+
+    def chosen(self) -> dict[str, Any]:
+        """The options off their defaults: what was asked for, to merge under other options (a default
+        is no choice, so a later exact=True turns split_kv off instead of clashing with it)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+
+# The switches exact mode turns off, and why each cannot run in it.
+_OFF_IN_EXACT = {"split_kv": "the split-KV kernel splits the slots by the rows' count, which exact mode forbids",
+                 "gemv": "exact mode runs every linear as its row-invariant kernel"}

@@ -1,5 +1,6 @@
-"""benchmarks/e2e.py's idle-time figures from a profile: the gaps between device activities over
-the middle 80% of them, per round, on a made-up timeline with known gaps."""
+"""The benchmarks' profile figures: the idle time (the gaps between device activities over the
+middle 80% of them, per round, on a made-up timeline with known gaps), and a kernel's kind by its
+name (names from an H200 profile of a Llama-3-8B step, docs/scale_gemv_8b.json)."""
 
 from types import SimpleNamespace
 
@@ -44,3 +45,18 @@ def test_overlapping_activities_are_no_gap():
 def test_no_device_activity():
     with pytest.raises(ValueError, match="too few to measure gaps"):
         gaps_per_round(SimpleNamespace(events=lambda: [event(0, 1, device="CPU")]), rounds=1)
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("triton_red_fused__fused_rms_norm__to_copy_add_arange_cat_cos_div_embedding_le_matmul_mul_pow_reciprocal_rms_norm_scalar_", "triton"),
+    ("triton_poi_fused__fused_rms_norm__to_copy_add_arange_cat_cos_div_embedding_le_matmul_mul_neg_pow_reciprocal_scalar_tenso", "triton"),
+    ("triton_tem_fused_mm_0", "matmul"),
+    ("nvjet_sm90_tst_64x8_64x16_2x1_v_bz_TNT", "matmul"),
+    ("_gemv", "matmul"),
+    ("cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_3_64x64x64_4x1x1_kernel0_0", "attention"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, __nv_bfloat16>", "other"),
+])
+def test_kernel_kind(name, kind):
+    from benchmarks.scale.attention import kernel_kind
+
+    assert kernel_kind(name) == kind

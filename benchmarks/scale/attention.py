@@ -82,9 +82,13 @@ def kernel_profile(dec: Decoder, prompts, short: int, long: int) -> dict:
 
 
 def kernel_kind(name: str) -> str:
+    """A kernel's kind by its name. Inductor's Triton kernels first: their names list the ops they
+    fused (`..._rms_norm_..._embedding_...` holds "mm_"), and only its templates are matmuls."""
     n = name.lower()
+    if n.startswith("triton"):
+        return "matmul" if n.startswith("triton_tem") else "triton"
     if any(s in n for s in ("fmha", "attention", "attn", "cudnn", "flash", "sdpa")):
         return "attention"
-    if any(s in n for s in ("gemm", "xmma", "cutlass", "nvjet", "sm90", "matmul", "mm_")):
+    if any(s in n for s in ("gemm", "gemv", "xmma", "cutlass", "nvjet", "sm90", "matmul", "mm_")):
         return "matmul"
-    return "triton" if n.startswith("triton") else "other"
+    return "other"

@@ -87,10 +87,9 @@ def sweep(args, save) -> dict:
         runs += [(variant, args.k) for variant, at in (("inductor", args.inductor_at),
                                                         ("specpass-no-split-kv", args.no_split_kv_at),
                                                         ("apart", args.apart_at)) if (bs, prompt) in at]
-        if (bs, prompt) in args.no_gemv_at:
-            runs += [("decode-no-gemv", 0), ("specpass-no-gemv", args.k)]
-        if (bs, prompt) in args.gemv_group_at:
-            runs += [("decode-gemv-group", 0), ("specpass-gemv-group", args.k)]
+        for flip, at in (("no-gemv", args.no_gemv_at), ("gemv-group", args.gemv_group_at)):
+            if (bs, prompt) in at:  # the decode step and the round with that option flipped
+                runs += [(f"decode-{flip}", 0), (f"specpass-{flip}", args.k)]
         if (bs, prompt) in args.tune_at:  # the tuning times specpass at its K
             runs = [r for r in runs if r[0] != "specpass"]
         for variant, k in runs:

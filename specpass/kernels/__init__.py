@@ -26,7 +26,8 @@ formulation, and the ones the loop samples with. One module each; importing this
     #   head j against K/V head j // (hq / hk) over the slots the mask shows, the scale given.
 
     y = torch.ops.specpass.exact_linear(x, w, b)   # exact.py: exact mode's row-invariant ops (its docstring)
-    y = torch.ops.specpass.gemv(x, w, b)           # gemv.py: a linear of up to 4 rows in one pass over w
+    y = torch.ops.specpass.gemv(x, w, b)           # gemv.py: a linear of a few rows in one pass over w
+    y = torch.ops.specpass.gemv_group(x, [w0, w1, w2], [])   # ... the linears of one input in one launch
 
 The value is written by the kernel, in the dtype its user wants, so that a sampled token and its
 (log-)probability need no second kernel; at a token t the log-probability is logits[t] - lse. On
@@ -39,7 +40,7 @@ CUDA kernels/triton_attention.py; elsewhere the folded SDPA (`attend_folded`). A
 with a fake implementation: Inductor calls each as one extern kernel, CUDA graphs capture it.
 """
 
-# registers torch.ops.specpass.{exact_*, floor, gemv, top1_lse, sample}
+# registers torch.ops.specpass.{exact_*, floor, gemv, gemv_group, top1_lse, sample}
 from specpass.kernels import exact, floor, gemv, top1  # noqa: F401
 from specpass.kernels.attention import SPLIT_MAX_ROWS, attend_folded, attend_split, attend_split_refusal
 

@@ -33,6 +33,21 @@ def kernel_rows(n: int, k: int, itemsize: int) -> int:
     return MAX_ROWS if n * k * itemsize <= SMALL_WEIGHT_BYTES else 1
 
 
+def _linears(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
+    """cuBLAS's linears of x, side by side."""
+    outs = [F.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, -1)
+
+
+def _on_cuda(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
+    """The kernel where a call's rows are within every weight's `kernel_rows`, else cuBLAS."""
+    if x.numel() > min(kernel_rows(*w.shape, w.element_size()) for w in weights) * x.shape[-1]:
+        return _linears(x, weights, biases)
+    from specpass.kernels import triton_gemv
+
+    return triton_gemv.gemv(x, weights, biases or None)
+
+
 @torch.library.custom_op("specpass::gemv", mutates_args=())
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
@@ -40,11 +55,7 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 @gemv.register_kernel("cuda")
 def _(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    if x.numel() > kernel_rows(*weight.shape, weight.element_size()) * x.shape[-1]:
-        return F.linear(x, weight, bias)
-    from specpass.kernels import triton_gemv
-
-    return triton_gemv.gemv(x, [weight], None if bias is None else [bias])
+    return _on_cuda(x, [weight], [] if bias is None else [bias])
 
 
 @gemv.register_fake
@@ -56,10 +67,6 @@ def _checked(weights: list[Tensor], biases: list[Tensor]) -> None:
     if not 1 <= len(weights) <= MAX_GROUP or len(biases) not in (0, len(weights)):
         raise ValueError(f"specpass.gemv_group takes 1 to {MAX_GROUP} weights and a bias for each or none; got "
                          f"{len(weights)} weights and {len(biases)} biases")
-
-
-def _linears(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
-    return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))], -1)
 
 
 @torch.library.custom_op("specpass::gemv_group", mutates_args=())
@@ -74,12 +81,7 @@ def gemv_group(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor
 @gemv_group.register_kernel("cuda")
 def _(x: Tensor, weights: list[Tensor], biases: list[Tensor]) -> Tensor:
     _checked(weights, biases)
-    most = min(kernel_rows(*w.shape, w.element_size()) for w in weights)
-    if x.numel() > most * x.shape[-1]:  # the pass groups static rows within this: a direct call
-        return _linears(x, weights, biases)
-    from specpass.kernels import triton_gemv
-
-    return triton_gemv.gemv(x, weights, biases or None)
+    return _on_cuda(x, weights, biases)
 
 
 @gemv_group.register_fake

@@ -6,7 +6,6 @@ phase timer."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -56,8 +55,8 @@ def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
 
 def exact_backend(compile: str | Callable) -> Callable:
     """compile ("specpass", or a specpass backend: `checks.check_exact`) with the exact pass on."""
-    options = dataclasses.asdict(compile.options) if compile != "specpass" else {}
-    return backend(**{**options, "exact": True, "split_kv": False, "gemv": False})
+    options = compile.options.chosen() if compile != "specpass" else {}
+    return backend(**{**options, "exact": True})
 
 
 def savable(backend: str | Callable) -> bool:
