@@ -23,8 +23,8 @@ class Options:
     # library's one-pass GEMV kernel (torch.ops.specpass.gemv) instead of cuBLAS, on CUDA.
     gemv: bool = True
     # gemv: the linears of one input (q, k and v; gate and up) in one launch, `gemv_group`: at most 4,
-    # static rows. Off until measured in a step.
-    gemv_group: bool = False
+    # static rows. Measured in a step: docs/results.md, issue 49's eighth measurement.
+    gemv_group: bool = True
     # Repeated layers compiled once: the next layer's head (its norm) moves into each layer's body,
     # so that Inductor fuses it with the residual add that ends the layer (one kernel per seam).
     seams: bool = True
@@ -49,8 +49,8 @@ class Options:
     # "eager": eager's index, the first probability equal to the maximum after rounding.
     argmax_ties: str = "input"
     # Exact mode: every op that adds floats runs as a row-invariant kernel (passes/exact.py), and
-    # a graph that cannot be made so is refused. Turns split_kv off (its kernel splits by rows) and
-    # gemv (exact mode's own linear is row-invariant).
+    # a graph that cannot be made so is refused. Turns split_kv off (its kernel splits by rows),
+    # gemv and gemv_group (exact mode's own linear is row-invariant).
     exact: bool = False
     # Backend only: "inductor" compiles the rewritten graph, "eager" runs it as is.
     handoff: str = "inductor"
@@ -98,4 +98,5 @@ class Options:
 
 # The switches exact mode turns off, and why each cannot run in it.
 _OFF_IN_EXACT = {"split_kv": "the split-KV kernel splits the slots by the rows' count, which exact mode forbids",
-                 "gemv": "exact mode runs every linear as its row-invariant kernel"}
+                 "gemv": "exact mode runs every linear as its row-invariant kernel",
+                 "gemv_group": "exact mode runs every linear as its row-invariant kernel"}

@@ -108,20 +108,20 @@ def test_mode_and_options_are_handed_to_inductor(form, given, handed, device, mo
 
 
 def test_exact_in_compile_options_turns_off_what_it_forbids(monkeypatch):
-    """options={"exact": True} on a default backend: exact mode, with split_kv and gemv off (their
-    defaults are no choice of the user's to clash with)."""
+    """options={"exact": True} on a default backend: exact mode, with split_kv, gemv and gemv_group
+    off (their defaults are no choice of the user's to clash with)."""
     from specpass import compile_backend
 
     ran_with = []
 
     def run_passes(gm, options):
-        ran_with.append((options.exact, options.split_kv, options.gemv))
+        ran_with.append((options.exact, options.split_kv, options.gemv, options.gemv_group))
         return pipeline.run_passes(gm, options)
 
     monkeypatch.setattr(compile_backend, "run_passes", run_passes)
     fn = torch.compile(lambda x: (x * 2).sum(-1), backend=specpass.backend(handoff="eager"), options={"exact": True})
     torch.testing.assert_close(fn(torch.ones(3, 4)), torch.full((3,), 8.0))
-    assert ran_with == [(True, False, False)], ran_with
+    assert ran_with == [(True, False, False, False)], ran_with
 
 
 def test_pdl_turns_on_inductors_programmatic_dependent_launch(monkeypatch):

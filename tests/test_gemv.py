@@ -336,8 +336,12 @@ def test_on_by_default_and_off_in_exact_mode():
 
     assert fired() == [True] * 3
     assert fired(gemv=False) == [] and fired(exact=True) == []
-    with pytest.raises(ValueError, match="exact=True and gemv=True"):
-        Options.make(exact=True, gemv=True)
+    for switch in ("gemv", "gemv_group"):
+        with pytest.raises(ValueError, match=f"exact=True and {switch}=True"):
+            Options.make(exact=True, **{switch: True})
+    assert not Options.make(exact=True).gemv_group
+    grouped = traced(attention_and_mlp_inputs, *GROUP_SHAPES).graph_module.graph  # siblings grouped by default
+    assert len(grouped.find_nodes(op="call_function", target=torch.ops.specpass.gemv_group.default)) == 2
 
 
 def test_gemv_group_bad_input():
