@@ -30,9 +30,9 @@ block draft (`Decoder.tune_k` among plain decoding, each --tune-ks K (the chain'
 and, for the EAGLE-3 head, the --trees shapes, before the timed runs: rounds timed on the first batch,
 acceptance measured on every batch; its "compile s" includes the tuning). With --paired OPTION ...
 each of our loop's variants also runs compiled with that specpass switch flipped from its default,
-beside it as VARIANT+pdl (Inductor's programmatic dependent launch on), VARIANT+no-gemv (the GEMV
-pass off) or VARIANT+gemv_group (the linears of one input in one launch); the lean baseline runs as
-gpt-fast runs it. With --batches N each
+beside it as VARIANT+pdl (Inductor's programmatic dependent launch on), VARIANT+coordinate_descent
+(Inductor's coordinate-descent tuning on), VARIANT+no-gemv (the GEMV pass off) or
+VARIANT+no-gemv_group (each linear its own launch); the lean baseline runs as gpt-fast runs it. With --batches N each
 timed pass generates N batches of bs prompts in turn (the next held-out prompts each) and pools
 them. "tokens/s" is end to end: generated tokens over the wall time of generate, prefill (eager,
 in every variant, HF's too) included; "decode tokens/s" counts the rounds alone (our loops).
@@ -530,7 +530,7 @@ def main() -> None:
                              "add fuses with the next layer's norm, at more compile time")
     parser.add_argument("--paired", nargs="+", default=[], choices=harness.PAIRED, metavar="OPTION",
                         help=f"also run each of the loop's variants compiled with that specpass switch flipped from its "
-                             f"default, as '<variant>+pdl', '+no-gemv' or '+gemv_group', for each OPTION of "
+                             f"default, as '<variant>+pdl', '+coordinate_descent', '+no-gemv' or '+no-gemv_group', for each OPTION of "
                              f"{harness.PAIRED}")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip plain decoding in the greedy sweep (agree then compares with the first variant)")

@@ -34,7 +34,7 @@ import torch
 
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: checkpoints/, docs/
-PAIRED = ("pdl", "gemv", "gemv_group")  # specpass switches a loop variant also runs with flipped, beside itself (VARIANT+SUFFIX)
+PAIRED = ("pdl", "coordinate_descent", "gemv", "gemv_group")  # specpass switches a loop variant also runs with flipped, beside itself (VARIANT+SUFFIX)
 
 
 def flipped(option: str) -> tuple[str, dict[str, bool]]:

@@ -18,9 +18,10 @@ request, the held-out prompts (checkpoints/prompts.json, byte tokenizer models/t
   hf-assisted       model.generate(assistant_model=the draft): bs 1 only (transformers' limit), eager
   LOOP+guards       a loop variant (specpass/*, zoo/*) with Dynamo's guards evaluated every round
                     (`Decoder.generate` skips them from round 3 on)
-  LOOP+pdl, LOOP+no-gemv, LOOP+gemv_group   a loop variant compiled with that specpass switch flipped
-                    from its default (Inductor's programmatic dependent launch on; the GEMV pass off;
-                    the linears of one input in one launch)
+  LOOP+pdl, LOOP+coordinate_descent, LOOP+no-gemv, LOOP+no-gemv_group   a loop variant compiled with
+                    that specpass switch flipped from its default (Inductor's programmatic dependent
+                    launch on; Inductor's coordinate-descent tuning on; the GEMV pass off; each linear
+                    its own launch)
 Ours: specpass with Inductor, CUDA graphs and the fused round on a GPU (specpass.generate's defaults);
 on CPU the rewritten graphs run eagerly (--quick: no torch.compile at all). Every variant runs once
 to compile and warm up (torch.compiler.reset() runs between batch sizes: compile_s at a later size

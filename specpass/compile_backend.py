@@ -64,8 +64,9 @@ def backend(**options: Any) -> Callable[..., Callable]:
         opts = Options.make(**{**base.chosen(), **ours}) if ours else base
         if opts.exact:  # each op's result rounded as eager rounds it, no fused multiply-add: fusions change no bits
             inductor_options.setdefault("emulate_precision_casts", True)
-        if opts.pdl and hasattr(inductor_config.triton, "enable_pdl"):
-            inductor_options.setdefault("triton.enable_pdl", True)
+        for switch, key in _INDUCTOR_SWITCHES.items():
+            if getattr(opts, switch) and _has_config(key):
+                inductor_options.setdefault(key, True)
         handoff = _handoff(opts.handoff, mode, inductor_options)
         fallback = _refuse_inexact(name) if opts.exact else warn
 
@@ -184,6 +185,20 @@ def _unrewritten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModul
         return aten_gm
     except Exception:
         return gm
+
+
+# specpass switches that turn an Inductor option on (where this torch has it), unless options= set it.
+_INDUCTOR_SWITCHES = {"pdl": "triton.enable_pdl", "coordinate_descent": "coordinate_descent_tuning"}
+
+
+def _has_config(key: str) -> bool:
+    """Whether this torch's Inductor has the (dotted) option `key`."""
+    where = inductor_config
+    for part in key.split("."):
+        if not hasattr(where, part):
+            return False
+        where = getattr(where, part)
+    return True
 
 
 def _handoff(kind: str, mode: str | None, inductor_options: dict[str, Any]) -> Callable:

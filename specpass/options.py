@@ -58,6 +58,9 @@ class Options:
     # has it; Inductor emits it on sm90 and newer): a Triton kernel launches while the one before it
     # ends and waits for its results in the kernel, which hides part of each launch's latency.
     pdl: bool = False
+    # Backend only: Inductor's coordinate-descent tuning (`coordinate_descent_tuning`): each Triton
+    # kernel's block sizes and warps searched around its heuristic choice, timed at compile time.
+    coordinate_descent: bool = False
 
     @classmethod
     def names(cls) -> list[str]:

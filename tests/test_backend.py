@@ -124,9 +124,11 @@ def test_exact_in_compile_options_turns_off_what_it_forbids(monkeypatch):
     assert ran_with == [(True, False, False, False)], ran_with
 
 
-def test_pdl_turns_on_inductors_programmatic_dependent_launch(monkeypatch):
-    """pdl=True hands Inductor `triton.enable_pdl` (which it emits on sm90 and newer), unless the
-    user's own options= set it; off by default."""
+@pytest.mark.parametrize("switch,key", [("pdl", "triton.enable_pdl"), ("coordinate_descent", "coordinate_descent_tuning")])
+def test_switches_turn_on_inductor_options(monkeypatch, switch, key):
+    """pdl=True hands Inductor `triton.enable_pdl` (which it emits on sm90 and newer), and
+    coordinate_descent=True its `coordinate_descent_tuning`, unless the user's own options= set
+    it; off by default."""
     handed = []
 
     class InductorSpy(torch._TorchCompileInductorWrapper):
@@ -136,11 +138,11 @@ def test_pdl_turns_on_inductors_programmatic_dependent_launch(monkeypatch):
 
     monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", InductorSpy)
     model, tokens, positions = _toy()
-    for backend, options in [(specpass.backend(pdl=True), None), (specpass.backend(), None),
-                             (specpass.backend(pdl=True), {"triton.enable_pdl": False})]:
+    for backend, options in [(specpass.backend(**{switch: True}), None), (specpass.backend(), None),
+                             (specpass.backend(**{switch: True}), {key: False})]:
         torch._dynamo.reset()
         _run(model, backend, tokens, positions, options=options)
-    assert handed == [{"triton.enable_pdl": True}, None, {"triton.enable_pdl": False}], handed
+    assert handed == [{key: True}, None, {key: False}], handed
 
 
 def test_inductor_options_are_forwarded_and_validated():

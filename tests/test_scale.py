@@ -73,3 +73,17 @@ def test_the_block_round_is_the_verify_and_one_block_forward():
         want = BS * ((k + 1) * (context + n * layer) + k * 2 * c.hidden_size * c.vocab_size)
         assert got["draft"] == 0 and got["catch_up"] == pytest.approx(want)
         assert got["round"] == pytest.approx(got["verify"] + want)
+
+
+def test_paired_variants_flip_one_switch_from_its_default():
+    """scale's decode+SUFFIX and specpass+SUFFIX variants (--paired): each compiles with one specpass
+    switch off its default, named by the suffix (+no-gemv: gemv off; +pdl: pdl on)."""
+    from benchmarks.scale.sweep import VARIANTS
+    from specpass import Options
+
+    flipped = {name: options for name, (options, _) in VARIANTS.items() if "+" in name}
+    assert {name.partition("+")[2] for name in flipped} >= {"pdl", "coordinate_descent", "no-gemv", "no-gemv_group"}
+    for name, options in flipped.items():
+        [(switch, value)] = [(f.name, getattr(Options.make(**options), f.name)) for f in dataclasses.fields(Options)
+                             if getattr(Options.make(**options), f.name) != getattr(Options(), f.name)]
+        assert name.partition("+")[2] == (switch if value else f"no-{switch}"), name

@@ -23,10 +23,10 @@ Per point (batch size x prompt length), each variant is built, compiled, timed a
   inductor       the fused round, plain Inductor (at --inductor-at points)
   specpass-no-split-kv  the fused round, specpass without its split-KV attention kernel
                  (`specpass.backend(split_kv=False)`) (at --no-split-kv-at points)
-  decode-no-gemv, specpass-no-gemv   decode and specpass without the GEMV pass
-                 (`specpass.backend(gemv=False)`: cuBLAS's linears) (at --no-gemv-at points)
-  decode-gemv-group, specpass-gemv-group   the same with the linears of one input in one launch
-                 (`specpass.backend(gemv_group=True)`) (at --gemv-group-at points)
+  decode+SUFFIX, specpass+SUFFIX   decode and specpass with a specpass switch of --paired flipped
+                 from its default (at --paired-at points): +no-gemv (cuBLAS's linears), +no-gemv_group
+                 (each linear its own launch), +pdl (Inductor's programmatic dependent launch),
+                 +coordinate_descent (Inductor's coordinate-descent tuning)
   apart          specpass, steps compiled apart, CUDA events after each step: the phase split
                  (draft / verify / accept / catch-up) (at --apart-at points)
 At --tune-at points the loop picks K itself (`Decoder.tune_k` at --tune-ks, the shipped acceptance,

@@ -43,12 +43,11 @@ def main() -> None:
     parser.add_argument("--apart-at", default="64x64", type=points)
     parser.add_argument("--no-split-kv-at", default="64x64,16x4096", type=points,
                         help="points where specpass also runs without its split-KV kernel (split_kv=False)")
-    parser.add_argument("--no-gemv-at", default="", type=points,
-                        help="points where the decode step and specpass's round also run without the GEMV pass "
-                             "(gemv=False)")
-    parser.add_argument("--gemv-group-at", default="", type=points,
-                        help="points where the decode step and specpass's round also run with sibling linears "
-                             "grouped (gemv_group=True)")
+    parser.add_argument("--paired", nargs="+", default=[], choices=harness.PAIRED, metavar="OPTION",
+                        help=f"specpass switches, of {list(harness.PAIRED)}: at --paired-at points the decode step "
+                             "and specpass's round also run with each flipped from its default, as decode+SUFFIX "
+                             "and specpass+SUFFIX ('+no-gemv', '+pdl', ...)")
+    parser.add_argument("--paired-at", default="", type=points)
     parser.add_argument("--profile-at", default="64x64,16x4096", type=points)
     parser.add_argument("--attention-at", default="64x64,16x4096", type=points)
     parser.add_argument("--direct-at", default="", type=points,
@@ -84,7 +83,7 @@ def main() -> None:
     if args.quick:
         args.points, args.k_sweep, args.k_sweep_at, args.new_tokens, args.repeats = [(2, 16)], [2], [(2, 16)], (4, 12), 1
         args.inductor_at = args.apart_at = args.profile_at = args.no_split_kv_at = args.direct_at = [(2, 16)]
-        args.no_gemv_at = args.gemv_group_at = [(2, 16)]
+        args.paired, args.paired_at = list(harness.PAIRED), [(2, 16)]
         args.tune_at = args.gemm_at = [(2, 16)]
         args.tune_ks = [1, 2]
     torch.set_grad_enabled(False)

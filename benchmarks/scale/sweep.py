@@ -22,8 +22,8 @@ SHIPPED = {  # --drafter -> its measured acceptance: a file and the rows of it t
 VARIANTS = {"decode": ("specpass", True), "lean": ("lean", True), "specpass": ("specpass", True),
             "inductor": ("inductor", True),
             "specpass-no-split-kv": (dict(split_kv=False), True), "apart": ("specpass", False),
-            "decode-no-gemv": (dict(gemv=False), True), "specpass-no-gemv": (dict(gemv=False), True),
-            "decode-gemv-group": (dict(gemv_group=True), True), "specpass-gemv-group": (dict(gemv_group=True), True)}
+            **{f"{step}+{suffix}": (options, True)  # at --paired-at points: a switch of --paired flipped
+               for suffix, options in map(harness.flipped, harness.PAIRED) for step in ("decode", "specpass")}}
 START = time.perf_counter()
 
 
@@ -87,9 +87,9 @@ def sweep(args, save) -> dict:
         runs += [(variant, args.k) for variant, at in (("inductor", args.inductor_at),
                                                         ("specpass-no-split-kv", args.no_split_kv_at),
                                                         ("apart", args.apart_at)) if (bs, prompt) in at]
-        for flip, at in (("no-gemv", args.no_gemv_at), ("gemv-group", args.gemv_group_at)):
-            if (bs, prompt) in at:  # the decode step and the round with that option flipped
-                runs += [(f"decode-{flip}", 0), (f"specpass-{flip}", args.k)]
+        if (bs, prompt) in args.paired_at:  # the decode step and the round with each --paired switch flipped
+            for suffix, _ in map(harness.flipped, args.paired):
+                runs += [(f"decode+{suffix}", 0), (f"specpass+{suffix}", args.k)]
         if (bs, prompt) in args.tune_at:  # the tuning times specpass at its K
             runs = [r for r in runs if r[0] != "specpass"]
         for variant, k in runs:
