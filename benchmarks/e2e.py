@@ -529,9 +529,9 @@ def main() -> None:
                         help="compile every layer inline in each step (Decoder(regional=False)): a layer's residual "
                              "add fuses with the next layer's norm, at more compile time")
     parser.add_argument("--paired", nargs="+", default=[], choices=harness.PAIRED, metavar="OPTION",
-                        help=f"also run each of the loop's variants compiled with that specpass switch flipped from its "
-                             f"default, as '<variant>+pdl', '+coordinate_descent', '+no-gemv' or '+no-gemv_group', for each OPTION of "
-                             f"{harness.PAIRED}")
+                        help=f"also run each of the loop's variants compiled with that specpass switch of "
+                             f"{harness.PAIRED} flipped from its default, beside it as VARIANT+SUFFIX "
+                             f"({harness.paired_suffixes()})")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip plain decoding in the greedy sweep (agree then compares with the first variant)")
     parser.add_argument("--trees", default=[], type=harness.tree_shapes, metavar="TOPK,STEPS,TOKENS;...",

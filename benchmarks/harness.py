@@ -45,6 +45,11 @@ def flipped(option: str) -> tuple[str, dict[str, bool]]:
     return (option if on else f"no-{option}"), {option: on}
 
 
+def paired_suffixes() -> str:
+    """The suffixes of PAIRED's variants, for a command line's help: "+pdl, +no-gemv, ..."."""
+    return ", ".join(f"+{suffix}" for suffix, _ in map(flipped, PAIRED))
+
+
 # --- what ran where
 
 

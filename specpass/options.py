@@ -100,6 +100,6 @@ class Options:
 
 
 # The switches exact mode turns off, and why each cannot run in it.
+_OWN_LINEAR = "exact mode runs every linear as its row-invariant kernel"
 _OFF_IN_EXACT = {"split_kv": "the split-KV kernel splits the slots by the rows' count, which exact mode forbids",
-                 "gemv": "exact mode runs every linear as its row-invariant kernel",
-                 "gemv_group": "exact mode runs every linear as its row-invariant kernel"}
+                 "gemv": _OWN_LINEAR, "gemv_group": _OWN_LINEAR}

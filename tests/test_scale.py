@@ -84,6 +84,7 @@ def test_paired_variants_flip_one_switch_from_its_default():
     flipped = {name: options for name, (options, _) in VARIANTS.items() if "+" in name}
     assert {name.partition("+")[2] for name in flipped} >= {"pdl", "coordinate_descent", "no-gemv", "no-gemv_group"}
     for name, options in flipped.items():
-        [(switch, value)] = [(f.name, getattr(Options.make(**options), f.name)) for f in dataclasses.fields(Options)
-                             if getattr(Options.make(**options), f.name) != getattr(Options(), f.name)]
+        made = Options.make(**options)
+        [(switch, value)] = [(f.name, getattr(made, f.name)) for f in dataclasses.fields(Options)
+                             if getattr(made, f.name) != f.default]
         assert name.partition("+")[2] == (switch if value else f"no-{switch}"), name

@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--paired", nargs="+", default=[], choices=harness.PAIRED, metavar="OPTION",
                         help=f"specpass switches, of {list(harness.PAIRED)}: at --paired-at points the decode step "
                              "and specpass's round also run with each flipped from its default, as decode+SUFFIX "
-                             "and specpass+SUFFIX ('+no-gemv', '+pdl', ...)")
+                             f"and specpass+SUFFIX ({harness.paired_suffixes()})")
     parser.add_argument("--paired-at", default="", type=points)
     parser.add_argument("--profile-at", default="64x64,16x4096", type=points)
     parser.add_argument("--attention-at", default="64x64,16x4096", type=points)

@@ -32,7 +32,7 @@ dtype, all with biases or none, at static rows, and runs where its first linear 
 whose weight is computed later, whose user needs it contiguous, or whose value is the graph's
 output runs alone, with the reason.
 
-On by default (groups off until measured in a step). Exact mode routes linears to its
+On by default, groups too (measured in a step: docs/results.md, issue 49's eighth measurement). Exact mode routes linears to its
 row-invariant kernel instead and turns this off.
 """
 
