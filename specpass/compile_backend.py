@@ -8,6 +8,7 @@ warning that says which and why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 import logging
 import os
@@ -62,6 +63,8 @@ def backend(**options: Any) -> Callable[..., Callable]:
         inductor_options = dict(options or {})
         ours = {k: inductor_options.pop(k) for k in list(inductor_options) if k in Options.names()}
         opts = Options.make(**{**base.chosen(), **ours}) if ours else base
+        unreplayed = [] if _replayed(mode, inductor_options) else [s for s in _REPLAYED_ONLY if getattr(opts, s)]
+        opts = dataclasses.replace(opts, **dict.fromkeys(unreplayed, False))
         if opts.exact:  # each op's result rounded as eager rounds it, no fused multiply-add: fusions change no bits
             inductor_options.setdefault("emulate_precision_casts", True)
         for switch, key in _INDUCTOR_SWITCHES.items():
@@ -88,6 +91,9 @@ def backend(**options: Any) -> Callable[..., Callable]:
             try:
                 capture_seconds = time.perf_counter() - start
                 result = run_passes(aten_gm, opts)
+                if unreplayed:
+                    result.report.notes.append(f"{' and '.join(unreplayed)} off: no CUDA graph replays this step "
+                                               f"(mode={mode!r}); {_REPLAYED_ONLY_WHY}")
                 result.report.seconds = {"capture": capture_seconds, **result.report.seconds}
                 for compiled in (result.graph_module, aten_gm):
                     adopt_dynamo_inputs(gm, compiled)
@@ -189,6 +195,17 @@ def _unrewritten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModul
 
 # specpass switches that turn an Inductor option on (where this torch has it), unless options= set it.
 _INDUCTOR_SWITCHES = {"pdl": "triton.enable_pdl", "coordinate_descent": "coordinate_descent_tuning"}
+# Passes whose kernels save a microsecond or two a call, launched through a library op from Python:
+# on an H200's host that op costs tens of microseconds a call (issue 49's ninth measurement), which
+# only a CUDA graph's replay hides.
+_REPLAYED_ONLY = ("gemv", "gemv_group")
+_REPLAYED_ONLY_WHY = "their op's host time a call outweighs what their kernel saves where Python launches it"
+
+
+def _replayed(mode: str | None, inductor_options: dict[str, Any]) -> bool:
+    """Whether Inductor will run the step as a CUDA graph, from torch.compile's mode and options."""
+    chosen = {**torch._inductor.list_mode_options(mode or "default"), **inductor_options}
+    return bool(chosen.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
 
 
 def _has_config(key: str) -> bool:

@@ -124,6 +124,31 @@ def test_exact_in_compile_options_turns_off_what_it_forbids(monkeypatch):
     assert ran_with == [(True, False, False, False)], ran_with
 
 
+@pytest.mark.parametrize("compile_kwargs,replayed", [({}, False), ({"mode": "max-autotune-no-cudagraphs"}, False),
+                                                     ({"mode": "reduce-overhead"}, True),
+                                                     ({"options": {"triton.cudagraphs": True}}, True)])
+def test_gemv_runs_only_where_cuda_graphs_replay_the_step(monkeypatch, compile_kwargs, replayed):
+    """gemv and gemv_group launch their kernels through a library op, whose host time a call outweighs
+    the kernel's saving unless a CUDA graph replays the step: torch.compile's mode and options decide,
+    and the report says why they were off."""
+    from specpass import compile_backend
+
+    ran_with = []
+
+    def run_passes(gm, options):
+        ran_with.append((options.gemv, options.gemv_group))
+        return pipeline.run_passes(gm, options)
+
+    monkeypatch.setattr(compile_backend, "run_passes", run_passes)
+    fn = torch.compile(lambda x: (x * 2).sum(-1), backend=specpass.backend(handoff="eager"), **compile_kwargs)
+    with compile_backend.collecting_reports() as reports:
+        torch.testing.assert_close(fn(torch.ones(3, 4)), torch.full((3,), 8.0))
+    assert ran_with == [(replayed, replayed)], ran_with
+    [(_, report)] = reports
+    notes = [n for n in report.notes if n.startswith("gemv and gemv_group off: no CUDA graph replays this step")]
+    assert len(notes) == (not replayed), report.notes
+
+
 @pytest.mark.parametrize("switch,key", [("pdl", "triton.enable_pdl"), ("coordinate_descent", "coordinate_descent_tuning")])
 def test_switches_turn_on_inductor_options(monkeypatch, switch, key):
     """pdl=True hands Inductor `triton.enable_pdl` (which it emits on sm90 and newer), and

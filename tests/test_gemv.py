@@ -319,22 +319,6 @@ def test_symbolic_rows_are_the_op_s_to_settle():
     assert not finding.fired and "rows > 1 against a 1024 x 4096 weight" in finding.message
 
 
-def test_symbolic_rows_compiled_past_the_kernel_stay_cublas():
-    """A prefill's rows (batch x prompt length, symbolic) compiled at more rows than the kernel takes:
-    every call like it would reach cuBLAS through the op and pay its dispatch, so the linear stays."""
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    env = ShapeEnv()
-    batch = env.create_symintnode(env.create_symbol(2, ConstantSource("batch")), hint=2)
-    length = env.create_symintnode(env.create_symbol(390, ConstantSource("length")), hint=390)
-    message = refusal(*fakes(FakeTensorMode(shape_env=env), (batch, length, 64), (32, 64)))
-    assert re.sub(r"\bs\d+\b", "sN", message).startswith(
-        "sN*sN rows, symbolic, 780 in the call compiled > 4 against a 32 x 64 weight: calls like it would reach "
-        "cuBLAS through the op"), message
-    assert not env.guards
-
-
 @pytest.mark.parametrize("case", ["cpu", "batched"])
 def test_not_a_candidate(case):
     if case == "cpu":

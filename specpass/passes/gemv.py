@@ -18,11 +18,7 @@ and contiguous (the kernel reads its rows; a copy each call would cost more than
 None or [N]; the rows (x's elements over K) not known to be more than `kernels.gemv.kernel_rows`
 (1, or 4 for a weight of at most 2 MiB: past one row a large weight's GEMM is faster). Symbolic
 rows (a batch compiled once for every size) are the op's to settle at each call; Dynamo's symbolic
-sizes are at least 2, so only small weights fire there, and only where the call compiled took the
-kernel (a heuristic on the size's hint): a prefill's rows, its prompt length symbolic, would reach
-cuBLAS through the op at every call, and the op's dispatch (about 30 us of host time a call, on an
-H200's host: issue 49's ninth measurement) outweighs what the kernel saves where no CUDA graph
-replays the step. N and K static. Not a candidate: a linear
+sizes are at least 2, so only small weights fire there. N and K static. Not a candidate: a linear
 on another device, a matmul whose second operand is not 2-D.
 
 With `gemv_group`, the linears of one input (q, k and v; gate and up, kept apart as transformers'
@@ -51,7 +47,7 @@ import torch
 import torch.fx as fx
 from torch._dispatch.python import enable_python_dispatcher
 
-from specpass.graph import bind, emit, fake_mode, hint, known, static_int, val
+from specpass.graph import bind, emit, fake_mode, known, static_int, val
 from specpass.kernels.gemv import MAX_GROUP, MAX_ROWS, kernel_rows
 from specpass.options import Options
 from specpass.report import Finding
@@ -252,8 +248,4 @@ def _refusal(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transpose
     if known(rows > most):
         return (f"{rows} rows > {most} against a {n} x {k} weight: the kernel takes up to {MAX_ROWS} rows "
                 f"of a small weight and one of a larger one (kernels.gemv.kernel_rows); a GEMM is faster past that")
-    if (captured := hint(rows)) is not None and captured > most:
-        return (f"{rows} rows, symbolic, {captured} in the call compiled > {most} against a {n} x {k} weight: calls "
-                "like it would reach cuBLAS through the op, whose dispatch costs more host time than the kernel "
-                "saves where no CUDA graph hides it (a prefill, its prompt length symbolic)")
     return None
