@@ -20,7 +20,8 @@ class Options:
     # lowers that to one Triton kernel instead of ATen's two top-k kernels.
     topk_sort: bool = True
     # A linear of one row (up to 4 of a small weight; symbolic rows settled per call) runs as the
-    # library's one-pass GEMV kernel (torch.ops.specpass.gemv) instead of cuBLAS, on CUDA.
+    # library's one-pass GEMV kernel (torch.ops.specpass.gemv) instead of cuBLAS, on CUDA, where a
+    # CUDA graph replays the step (the backend turns it and gemv_group off elsewhere).
     gemv: bool = True
     # gemv: the linears of one input (q, k and v; gate and up) in one launch, `gemv_group`: at most 4,
     # static rows. Measured in a step: docs/results.md, issue 49's eighth measurement.

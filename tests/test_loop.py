@@ -169,6 +169,13 @@ def test_clock_waits_and_counts_seconds(target):
     assert dec.clock() > before
 
 
+def test_prompts_right_padded_with_zeros_in_int64_rows():
+    from specpass.loop.runtime import right_padded
+
+    rows = right_padded([[5, 2**40, 7], [1], [3, 0, 9, 4]], 5)
+    assert rows.dtype == torch.long and rows.tolist() == [[5, 2**40, 7, 0, 0], [1, 0, 0, 0, 0], [3, 0, 9, 4, 0]]
+
+
 def test_start_moves_every_request_to_a_position(target):
     """A long context without its prefill: one-token prompts, then position 30 for every request;
     the rounds decode from there (the slots below hold what the prefill left)."""

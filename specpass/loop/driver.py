@@ -36,7 +36,7 @@ from specpass.loop.checks import (check_cache_size, check_exact, check_k, check_
 from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
 from specpass.loop.protocols import Drafter, Target
 from specpass.loop.runtime import (DoneFlags, InPlaceRound, PhaseTimer, SymbolicBatch, clock, compiler, exact_backend,
-                                   replayed)
+                                   replayed, right_padded)
 from specpass.loop.shapes import PLAIN, RoundShape, round_shape
 from specpass.loop.steps import Carry, State, Steps, carried, decode_round, decode_round_in_place, prefill_step
 from specpass.loop.tree import TreeShape, depth
@@ -401,7 +401,7 @@ class Decoder:
         idle = B - len(prompts)  # padding rows: a one-token prompt, no budget, done from the start
         lengths = torch.tensor([len(p) for p in prompts] + [1] * idle, device=device)
         tokens = torch.zeros(B, P + 1, dtype=torch.long, device=device)  # [B, P+1]: prompt, then x_n
-        tokens[: len(prompts), :P] = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], device=device)
+        tokens[: len(prompts), :P] = right_padded(prompts, P).to(device)
         with self._batch.marking(B, self.max_batch, more=[(tokens, 1)]):  # one graph for every prompt length
             first, carry = self._bound[self._k].prefill(tokens, lengths, params)
 

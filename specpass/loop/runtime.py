@@ -1,10 +1,11 @@
 """Compiling and running the loop's steps: each step compiled under a code object of its own with
 its batch symbolic, the skip-guards stance of the later rounds, the fused round's state kept in
-place, CUDA-graph replays' outputs cloned (steps apart), the host's read of the done flag, the
-phase timer."""
+place, CUDA-graph replays' outputs cloned (steps apart), the prompts as a tensor, the host's read of the
+done flag, the phase timer."""
 
 from __future__ import annotations
 
+import array
 import contextlib
 import time
 from collections.abc import Callable, Iterator
@@ -202,6 +203,16 @@ class InPlaceRound:
             if mine is not given:
                 mine.copy_(given)
         return own_state, own_carry
+
+
+def right_padded(prompts: list[list[int]], width: int) -> Tensor:
+    """The prompts as int64 rows [len(prompts), width] on the CPU, zeros after each: built in an
+    array, since torch.tensor of nested lists takes 2 ms for 64 prompts of 400 tokens (this 0.3),
+    the host's time inside the prefill."""
+    rows = array.array("q", bytes(8 * len(prompts) * width))
+    for i, prompt in enumerate(prompts):
+        rows[i * width: i * width + len(prompt)] = array.array("q", prompt)
+    return torch.frombuffer(rows, dtype=torch.long).view(len(prompts), width)
 
 
 def clock(device: torch.device) -> float:

@@ -13,7 +13,8 @@ hundred KB is its launch's latency, where the kernel takes 1.5-1.8 us at 1 to 4 
 2.1-2.5 us (docs/results.md, issue 49's seventh measurement). Its value differs from cuBLAS's by the
 order of the fp32 sums, as cuBLAS's own choice of kernel makes it differ between row counts.
 
-When, proven from the fake tensors: CUDA; x and w (and b) of one dtype, bf16, fp16 or fp32; w 2-D
+When, proven from the fake tensors (and where a CUDA graph replays the step: the backend turns the
+pass off elsewhere, compile_backend._REPLAYED_ONLY): CUDA; x and w (and b) of one dtype, bf16, fp16 or fp32; w 2-D
 and contiguous (the kernel reads its rows; a copy each call would cost more than it saves); b
 None or [N]; the rows (x's elements over K) not known to be more than `kernels.gemv.kernel_rows`
 (1, or 4 for a weight of at most 2 MiB: past one row a large weight's GEMM is faster). Symbolic
