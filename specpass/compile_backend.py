@@ -91,7 +91,7 @@ def backend(**options: Any) -> Callable[..., Callable]:
             try:
                 capture_seconds = time.perf_counter() - start
                 result = run_passes(aten_gm, opts)
-                if unreplayed:
+                if unreplayed and _on_cuda(example_inputs):  # elsewhere the pass has nothing to do anyway
                     result.report.notes.append(f"{' and '.join(unreplayed)} off: no CUDA graph replays this step "
                                                f"(mode={mode!r}); {_REPLAYED_ONLY_WHY}")
                 result.report.seconds = {"capture": capture_seconds, **result.report.seconds}
@@ -206,6 +206,10 @@ def _replayed(mode: str | None, inductor_options: dict[str, Any]) -> bool:
     """Whether Inductor will run the step as a CUDA graph, from torch.compile's mode and options."""
     chosen = {**torch._inductor.list_mode_options(mode or "default"), **inductor_options}
     return bool(chosen.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+
+
+def _on_cuda(example_inputs: list[Any]) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
 
 
 def _has_config(key: str) -> bool:

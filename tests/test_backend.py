@@ -130,9 +130,10 @@ def test_exact_in_compile_options_turns_off_what_it_forbids(monkeypatch):
 def test_gemv_runs_only_where_cuda_graphs_replay_the_step(monkeypatch, compile_kwargs, replayed):
     """gemv and gemv_group launch their kernels through a library op, whose host time a call outweighs
     the kernel's saving unless a CUDA graph replays the step: torch.compile's mode and options decide,
-    and the report says why they were off."""
+    and the report of a CUDA step (here the inputs taken for CUDA ones) says why they were off."""
     from specpass import compile_backend
 
+    monkeypatch.setattr(compile_backend, "_on_cuda", lambda example_inputs: True)
     ran_with = []
 
     def run_passes(gm, options):
@@ -147,6 +148,17 @@ def test_gemv_runs_only_where_cuda_graphs_replay_the_step(monkeypatch, compile_k
     [(_, report)] = reports
     notes = [n for n in report.notes if n.startswith("gemv and gemv_group off: no CUDA graph replays this step")]
     assert len(notes) == (not replayed), report.notes
+
+
+def test_a_cpu_step_notes_nothing_of_gemv():
+    """The GEMV pass runs on CUDA only: a CPU step's report has no note of it being off."""
+    from specpass import compile_backend
+
+    fn = torch.compile(lambda x: (x * 2).sum(-1), backend=specpass.backend(handoff="eager"))
+    with compile_backend.collecting_reports() as reports:
+        fn(torch.ones(3, 4))
+    [(_, report)] = reports
+    assert not any("gemv" in n for n in report.notes), report.notes
 
 
 @pytest.mark.parametrize("switch,key", [("pdl", "triton.enable_pdl"), ("coordinate_descent", "coordinate_descent_tuning")])
