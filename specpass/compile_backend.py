@@ -64,7 +64,8 @@ def backend(**options: Any) -> Callable[..., Callable]:
         ours = {k: inductor_options.pop(k) for k in list(inductor_options) if k in Options.names()}
         opts = Options.make(**{**base.chosen(), **ours}) if ours else base
         unreplayed = [] if _replayed(mode, inductor_options) else [s for s in _REPLAYED_ONLY if getattr(opts, s)]
-        opts = dataclasses.replace(opts, **dict.fromkeys(unreplayed, False))
+        if unreplayed:
+            opts = dataclasses.replace(opts, **dict.fromkeys(unreplayed, False))
         if opts.exact:  # each op's result rounded as eager rounds it, no fused multiply-add: fusions change no bits
             inductor_options.setdefault("emulate_precision_casts", True)
         for switch, key in _INDUCTOR_SWITCHES.items():
@@ -91,7 +92,7 @@ def backend(**options: Any) -> Callable[..., Callable]:
             try:
                 capture_seconds = time.perf_counter() - start
                 result = run_passes(aten_gm, opts)
-                if unreplayed and _on_cuda(example_inputs):  # elsewhere the pass has nothing to do anyway
+                if unreplayed and _has_cuda_inputs(example_inputs):  # elsewhere the pass has nothing to do anyway
                     result.report.notes.append(f"{' and '.join(unreplayed)} off: no CUDA graph replays this step "
                                                f"(mode={mode!r}); {_REPLAYED_ONLY_WHY}")
                 result.report.seconds = {"capture": capture_seconds, **result.report.seconds}
@@ -208,7 +209,7 @@ def _replayed(mode: str | None, inductor_options: dict[str, Any]) -> bool:
     return bool(chosen.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
 
 
-def _on_cuda(example_inputs: list[Any]) -> bool:
+def _has_cuda_inputs(example_inputs: list[Any]) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
 
 

@@ -124,16 +124,16 @@ def test_exact_in_compile_options_turns_off_what_it_forbids(monkeypatch):
     assert ran_with == [(True, False, False, False)], ran_with
 
 
-@pytest.mark.parametrize("compile_kwargs,replayed", [({}, False), ({"mode": "max-autotune-no-cudagraphs"}, False),
-                                                     ({"mode": "reduce-overhead"}, True),
-                                                     ({"options": {"triton.cudagraphs": True}}, True)])
+@pytest.mark.parametrize("compile_kwargs,replayed", [
+    ({}, False), ({"mode": "max-autotune-no-cudagraphs"}, False),
+    ({"mode": "reduce-overhead"}, True), ({"options": {"triton.cudagraphs": True}}, True)])
 def test_gemv_runs_only_where_cuda_graphs_replay_the_step(monkeypatch, compile_kwargs, replayed):
     """gemv and gemv_group launch their kernels through a library op, whose host time a call outweighs
     the kernel's saving unless a CUDA graph replays the step: torch.compile's mode and options decide,
     and the report of a CUDA step (here the inputs taken for CUDA ones) says why they were off."""
     from specpass import compile_backend
 
-    monkeypatch.setattr(compile_backend, "_on_cuda", lambda example_inputs: True)
+    monkeypatch.setattr(compile_backend, "_has_cuda_inputs", lambda example_inputs: True)
     ran_with = []
 
     def run_passes(gm, options):

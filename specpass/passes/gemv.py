@@ -13,14 +13,14 @@ hundred KB is its launch's latency, where the kernel takes 1.5-1.8 us at 1 to 4 
 2.1-2.5 us (docs/results.md, issue 49's seventh measurement). Its value differs from cuBLAS's by the
 order of the fp32 sums, as cuBLAS's own choice of kernel makes it differ between row counts.
 
-When, proven from the fake tensors (and where a CUDA graph replays the step: the backend turns the
-pass off elsewhere, compile_backend._REPLAYED_ONLY): CUDA; x and w (and b) of one dtype, bf16, fp16 or fp32; w 2-D
-and contiguous (the kernel reads its rows; a copy each call would cost more than it saves); b
-None or [N]; the rows (x's elements over K) not known to be more than `kernels.gemv.kernel_rows`
-(1, or 4 for a weight of at most 2 MiB: past one row a large weight's GEMM is faster). Symbolic
-rows (a batch compiled once for every size) are the op's to settle at each call; Dynamo's symbolic
-sizes are at least 2, so only small weights fire there. N and K static. Not a candidate: a linear
-on another device, a matmul whose second operand is not 2-D.
+Where a CUDA graph replays the step (the backend turns the pass off elsewhere:
+compile_backend._REPLAYED_ONLY), and when, proven from the fake tensors: CUDA; x and w (and b) of
+one dtype, bf16, fp16 or fp32; w 2-D and contiguous (the kernel reads its rows; a copy each call
+would cost more than it saves); b None or [N]; the rows (x's elements over K) not known to be more
+than `kernels.gemv.kernel_rows` (1, or 4 for a weight of at most 2 MiB: past one row a large
+weight's GEMM is faster). Symbolic rows (a batch compiled once for every size) are the op's to
+settle at each call; Dynamo's symbolic sizes are at least 2, so only small weights fire there. N
+and K static. Not a candidate: a linear on another device, a matmul whose second operand is not 2-D.
 
 With `gemv_group`, the linears of one input (q, k and v; gate and up, kept apart as transformers'
 models keep them) run as one launch over their weights, each read in place:
@@ -33,8 +33,8 @@ dtype, all with biases or none, at static rows, and runs where its first linear 
 whose weight is computed later, whose user needs it contiguous, or whose value is the graph's
 output runs alone, with the reason.
 
-On by default, groups too (measured in a step: docs/results.md, issue 49's eighth measurement). Exact mode routes linears to its
-row-invariant kernel instead and turns this off.
+On by default, groups too (measured in a step: docs/results.md, issue 49's eighth measurement).
+Exact mode routes linears to its row-invariant kernel instead and turns this off.
 """
 
 from __future__ import annotations
