@@ -2,7 +2,8 @@
 
 Nothing here may break the user's model: a graph the IR cannot capture, a pass that fails, or
 an Inductor failure on the rewritten graph all fall back to the unrewritten graph, with a
-warning that says which and why.
+warning that says which and why, and a report that says so (`Report.fallback`). Dynamo's own
+signals to trace again (`RestartAnalysis`: a float it must specialize) are Dynamo's, not failures.
 """
 
 from __future__ import annotations
@@ -72,7 +73,12 @@ def backend(**options: Any) -> Callable[..., Callable]:
             if getattr(opts, switch) and _has_config(key):
                 inductor_options.setdefault(key, True)
         handoff = _handoff(opts.handoff, mode, inductor_options)
-        fallback = _refuse_inexact(name) if opts.exact else warn
+        refuse = _refuse_inexact(name) if opts.exact else warn
+
+        def fall_back(message: str, report: Report | None = None) -> None:
+            """Warn (exact mode: refuse) and report the step compiled without rewrites."""
+            refuse(message)
+            log_report(dataclasses.replace(report or Report(), fallback=message), name)
 
         timer = Report()
         with timer.timed("cache/key"):
@@ -85,8 +91,9 @@ def backend(**options: Any) -> Callable[..., Callable]:
             try:
                 aten_gm = to_aten_ir(gm, example_inputs)
             except Exception as exc:
-                fallback(f"specpass could not capture this graph ({type(exc).__name__}: {exc}); "
-                         "compiling it without rewrites")
+                _reraise_restart(exc)
+                fall_back(f"specpass could not capture this graph ({type(exc).__name__}: {exc}); "
+                          "compiling it without rewrites")
                 return handoff(gm, example_inputs)
 
             try:
@@ -99,8 +106,9 @@ def backend(**options: Any) -> Callable[..., Callable]:
                 for compiled in (result.graph_module, aten_gm):
                     adopt_dynamo_inputs(gm, compiled)
             except Exception as exc:  # the pipeline's own checks failed on the unrewritten graph
-                fallback(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
-                         "compiling it without rewrites")
+                _reraise_restart(exc)
+                fall_back(f"specpass could not prepare this graph ({type(exc).__name__}: {exc}); "
+                          "compiling it without rewrites")
                 return handoff(gm, example_inputs)
             with timer.timed("cache/store"):
                 _store(cache_key, result)
@@ -113,23 +121,31 @@ def backend(**options: Any) -> Callable[..., Callable]:
         for error in result.report.errors:
             warn(error)
         try:
+            compiled = handoff(result.graph_module, example_inputs)
+        except Exception as exc:
+            _reraise_restart(exc)
+            if not result.report.rewrites:  # the graph as captured: the failure is the model's, not a rewrite's
+                raise
+            fall_back(f"compiling the rewritten graph failed ({type(exc).__name__}: {exc}); "
+                      "compiling it without rewrites", result.report)
+            return handoff(aten_gm if aten_gm is not None else _unrewritten(gm, example_inputs), example_inputs)
+        try:
             log_report(result.report, name)
         except Exception as exc:  # a report that cannot be printed is a bug, not the model's problem
             warn(f"specpass could not log its report ({type(exc).__name__}: {exc}); the graph is compiled as rewritten")
-        if not result.report.rewrites:
-            return handoff(result.graph_module, example_inputs)
-        try:
-            return handoff(result.graph_module, example_inputs)
-        except Exception as exc:
-            fallback(f"compiling the rewritten graph failed ({type(exc).__name__}: {exc}); "
-                     "compiling it without rewrites")
-            return handoff(aten_gm if aten_gm is not None else _unrewritten(gm, example_inputs), example_inputs)
+        return compiled
 
     specpass_backend.options = base  # type: ignore[attr-defined]
     return specpass_backend
 
 
 default_backend = backend()
+
+
+def _reraise_restart(exc: Exception) -> None:
+    """Dynamo's signal to trace the frame again (a float to specialize, say) goes back to Dynamo."""
+    if isinstance(exc, torch._dynamo.exc.RestartAnalysis):
+        raise exc
 
 
 def _refuse_inexact(step: str) -> Callable[[str], None]:

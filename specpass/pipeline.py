@@ -296,13 +296,14 @@ def _signature(gm: fx.GraphModule) -> tuple[list[Any], list[Any]]:
 
 
 def _written_buffers(gm: fx.GraphModule) -> list[tuple[Any, tuple[str, ...]]]:
-    """Each in-place write in order, with the buffers it writes: named by the first node holding
-    their storage (a graph input's name; a view of it has the same storage). A region call's are its
-    body's, on the operands (so inlining a call keeps them)."""
+    """Each in-place write in order, with the buffers it writes: a graph input's by its name (a view
+    of it has the same storage), one the graph makes itself as "?". A region call's are its body's,
+    on the operands, so inlining a call keeps them: a buffer its body makes is the body's "?" before
+    and the graph's after, under whatever name the copy got."""
     owners: dict[Any, str] = {}
     for node in gm.graph.nodes:
         if storage(node) is not None:
-            owners.setdefault(storage(node), node.name)
+            owners.setdefault(storage(node), node.name if node.op == "placeholder" else "?")
     writes = []
     for n in gm.graph.nodes:
         if is_region_call(n) and is_mutation(n):

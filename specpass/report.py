@@ -48,7 +48,10 @@ class Finding:
 class Report:
     findings: list[Finding] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)  # a pass raised or broke an invariant
-    notes: list[str] = dataclasses.field(default_factory=list)  # capture-level facts (fallbacks, no candidates)
+    notes: list[str] = dataclasses.field(default_factory=list)  # capture-level facts (no candidates, switches off)
+    # Set when the graph was compiled without rewrites after all: why (the findings are what the
+    # passes did to a graph that does not run).
+    fallback: str | None = None
     matmul_flops: tuple[int, int] | None = None  # whole graph, before -> after
     # Wall time of specpass's own work per part: "capture", then "<part>/<step>" for the
     # preparation and each pass that ran ("argmax/rewrite", "argmax/propagate", ...).
@@ -80,7 +83,7 @@ class Report:
         # not dataclasses.asdict: it deep-copies a symbolic count (rows under dynamic shapes), fake tensors and all
         findings = [{field.name: getattr(f, field.name) for field in dataclasses.fields(f)} for f in self.findings]
         return json.dumps({"findings": findings, "errors": self.errors, "notes": self.notes,
-                           "matmul_flops": self.matmul_flops}, default=str)
+                           "matmul_flops": self.matmul_flops, "fallback": self.fallback}, default=str)
 
     @classmethod
     def from_json(cls, text: str) -> Report:
@@ -88,7 +91,8 @@ class Report:
         pair = lambda v: tuple(v) if v is not None else None  # noqa: E731  (JSON has lists, Finding tuples)
         findings = [Finding(**{**f, "rows": pair(f["rows"]), "matmul_flops": pair(f["matmul_flops"])})
                     for f in data["findings"]]
-        return cls(findings=findings, errors=data["errors"], notes=data["notes"], matmul_flops=pair(data["matmul_flops"]))
+        return cls(findings=findings, errors=data["errors"], notes=data["notes"], matmul_flops=pair(data["matmul_flops"]),
+                   fallback=data.get("fallback"))
 
     def __str__(self) -> str:
         head = f"specpass: {len(self.rewrites)} rewrite(s), {len(self.refusals)} left alone"
@@ -97,7 +101,7 @@ class Report:
             ratio = f", {before / after:.2f}x fewer" if _number(before) and _number(after) and after != before \
                 and after else ""
             head += f"; graph matmul FLOPs {_si(before)} -> {_si(after)}{ratio}"
-        lines = [head]
+        lines = [head] + ([f"  compiled without rewrites: {self.fallback}"] if self.fallback else [])
         lines += [f"  error: {e}" for e in self.errors]
         lines += [f"  note: {n}" for n in self.notes]
         lines += [f"  {f}" for f in self.findings]

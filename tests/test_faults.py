@@ -175,3 +175,50 @@ def test_an_inductor_failure_on_the_rewritten_graph_compiles_it_unrewritten(monk
     (message,) = _run_with_warnings(specpass)
     assert "compiling the rewritten graph failed (RuntimeError: injected codegen failure)" in message, message
     assert len(compiled) == 2
+
+
+@pytest.mark.parametrize("where, cause", [("to_aten_ir", "could not capture this graph"),
+                                          ("adopt_dynamo_inputs", "could not prepare this graph"),
+                                          ("_TorchCompileInductorWrapper", "compiling the rewritten graph failed")])
+def test_a_step_compiled_unrewritten_is_reported_once_with_why(monkeypatch, where, cause):
+    """What `collecting_reports` gets (specpass.generate's `rewrites`): one report for the step, whose
+    `fallback` says why; the rewrites it lists, if any, are of a graph that does not run."""
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    if where == "_TorchCompileInductorWrapper":  # Inductor fails on the rewritten graph, compiles the one after it
+        calls = []
+
+        def failing(*args, **kwargs):  # noqa: F811
+            calls.append(args)
+            if len(calls) == 1:
+                raise RuntimeError("injected failure")
+            return args[0]
+
+        monkeypatch.setattr(torch, where, lambda *args, **kwargs: failing)
+    else:
+        monkeypatch.setattr(backend_module, where, failing)
+    with backend_module.collecting_reports() as reports:
+        (message,) = _run_with_warnings(specpass if where == "_TorchCompileInductorWrapper" else
+                                        specpass.backend(handoff="eager"))
+    assert [(step, r.fallback) for step, r in reports] == [("step", message)], reports
+    assert cause in message and "injected failure" in message, message
+    assert f"compiled without rewrites: {message}" in str(reports[0][1])
+
+
+def test_dynamos_restart_signal_goes_back_to_dynamo(monkeypatch):
+    """TensorifyScalarRestartAnalysis, raised inside a compile, asks Dynamo to trace the frame again
+    with a float specialized: not a failure to compile unrewritten and warn about."""
+    calls = []
+
+    def to_aten_ir(gm, example_inputs):
+        calls.append(gm)
+        if len(calls) == 1:
+            raise torch._dynamo.exc.TensorifyScalarRestartAnalysis()
+        return capture(gm, example_inputs)
+
+    capture = backend_module.to_aten_ir
+    monkeypatch.setattr(backend_module, "to_aten_ir", to_aten_ir)
+    with backend_module.collecting_reports() as reports:
+        assert _run_with_warnings(specpass.backend(handoff="eager")) == []
+    assert len(calls) == 2 and [r.fallback for _, r in reports] == [None] and reports[0][1].rewrites

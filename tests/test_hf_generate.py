@@ -25,6 +25,7 @@ from models import zoo
 from models.drafters import ZooDrafter
 from models.eagle3 import Eagle3Config
 from models.text import encode
+from specpass import compile_backend, pipeline
 from specpass.hf.adapters import HFDrafter, HFTarget
 
 V, NEW, K = 96, 12, 4
@@ -154,6 +155,60 @@ def test_compiled_catch_up_gets_the_live_row_rewrite():
     assert set(out.rewrites) == {"prefill", "draft", "verify", "accept", "catch_up"}
 
 
+def test_steps_compiled_without_rewrites_say_why_in_rewrites(monkeypatch):
+    """Capture fails on every graph: each step runs unrewritten, and its `rewrites` say so and why
+    instead of listing nothing (or what the passes did to a graph that does not run)."""
+    def to_aten_ir(gm, example_inputs):
+        raise RuntimeError("injected capture failure")
+
+    monkeypatch.setattr(compile_backend, "to_aten_ir", to_aten_ir)
+    model, draft = build("llama"), build("llama", noise=0.1)
+    with pytest.warns(specpass.SpecpassWarning, match="injected capture failure"):
+        out = specpass.generate(model, IDS, attention_mask=MASK, assistant_model=draft, max_new_tokens=NEW,
+                                compile=specpass.backend(handoff="eager"), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    assert set(out.rewrites) == {"prefill", "draft", "verify", "accept", "catch_up"}, out.rewrites
+    assert all(lines == ["[fallback] specpass could not capture this graph (RuntimeError: injected capture failure); "
+                         "compiling it without rewrites"] for lines in out.rewrites.values()), out.rewrites
+
+
+def test_a_model_dynamo_cannot_trace_as_one_graph_runs_uncompiled_and_says_why():
+    model, draft = build("llama"), build("llama", noise=0.1)
+    norm = model.model.norm.forward
+
+    def breaking(hidden):
+        torch._dynamo.graph_break()  # what a forward Dynamo cannot trace whole does to fullgraph=True
+        return norm(hidden)
+
+    model.model.norm.forward = breaking
+    with pytest.warns(specpass.SpecpassWarning, match="Dynamo cannot trace prefill as one graph"):
+        out = specpass.generate(model, IDS, attention_mask=MASK, assistant_model=draft, max_new_tokens=NEW,
+                                compile=specpass.backend(handoff="eager"), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    assert out.rewrites["prefill"] == ["[fallback] Dynamo cannot trace prefill as one graph (Unsupported: "
+                                       "Call to `torch._dynamo.graph_break()`); it runs uncompiled"], out.rewrites
+    assert any(line.startswith("[argmax] rewrote") for line in out.rewrites["draft"]), out.rewrites  # the draft's own
+    with pytest.raises(specpass.ExactModeError, match="exact mode refuses prefill: Dynamo cannot trace"):
+        specpass.generate(model, IDS, attention_mask=MASK, max_new_tokens=2, exact=True,
+                          compile=specpass.backend(handoff="eager"))
+
+
+def test_a_pass_dropped_says_why_in_rewrites_beside_the_others(monkeypatch):
+    def raising(gm, options):
+        raise RuntimeError("injected pass failure")
+
+    monkeypatch.setattr(pipeline, "PASSES", [(n, raising if n == "live_rows" else run) for n, run in pipeline.PASSES])
+    model, draft = build("llama"), build("llama", noise=0.1)
+    with pytest.warns(specpass.SpecpassWarning, match="injected pass failure"):
+        out = specpass.generate(model, IDS, attention_mask=MASK, assistant_model=draft, max_new_tokens=NEW,
+                                compile=specpass.backend(handoff="eager"), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference(model, IDS, MASK))
+    dropped = "[error] pass live_rows failed (RuntimeError: injected pass failure)"
+    assert all(any(line.startswith(dropped) for line in lines) for lines in out.rewrites.values()), out.rewrites
+    assert not any(line.startswith("[live_rows]") for lines in out.rewrites.values() for line in lines)
+    assert any(line.startswith("[argmax] rewrote") for line in out.rewrites["draft"]), out.rewrites
+
+
 def test_rewrites_are_reported_after_other_specpass_compiles():
     """specpass compiling elsewhere first (its logger then caches "INFO is off") must not hide the
     rewrites of the next step compiled here (it hid the prefill's: the first step compiled)."""
@@ -252,6 +307,14 @@ def test_refuses_a_draft_with_another_tokenizer():
 def test_refuses_encoder_decoder_models():
     config = transformers.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
     _refusal("encoder-decoder", model=transformers.T5ForConditionalGeneration(config))
+
+
+def test_refuses_an_encoder_not_loaded_as_a_decoder():
+    """Bidirectional attention: served, it gave other tokens than `model.generate`; as a decoder it is served."""
+    config = dict(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    _refusal("is_decoder=False", model=transformers.BertLMHeadModel(transformers.BertConfig(**config)))
+    model = transformers.BertLMHeadModel(transformers.BertConfig(**config, is_decoder=True)).eval()
+    assert torch.equal(ours(model, IDS, MASK).sequences, reference(model, IDS, MASK))
 
 
 def test_refuses_stateful_models():

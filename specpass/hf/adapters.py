@@ -36,6 +36,10 @@ def check_model(model: nn.Module, role: str) -> None:
     name = type(model).__name__
     if config.is_encoder_decoder:
         raise ValueError(f"{role} ({name}) is an encoder-decoder model; specpass drives decoder-only causal LMs")
+    if getattr(config, "is_decoder", True) is False:  # only encoder-style configs carry the flag
+        raise ValueError(f"{role} ({name}) has config.is_decoder=False: its attention is bidirectional, so a position's "
+                         "logits change with the tokens after it and no cache of past keys serves it; load it with "
+                         "is_decoder=True to use it as a causal LM")
     if getattr(model, "_is_stateful", False) or any(t not in LAYER_TYPES for t in _layer_types(config)):
         kinds = sorted(set(_layer_types(config)) - set(LAYER_TYPES)) or ["a recurrent state"]
         raise ValueError(f"{role} ({name}) keeps {', '.join(kinds)}: a rejected draft would have to be rolled "

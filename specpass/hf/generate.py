@@ -43,7 +43,9 @@ class GenerateOutput:
 
     sequences: Tensor  # [B, P + N] prompt + new tokens, padded
     metrics: Metrics  # accepted length, acceptance per draft position, tokens/s, ms per round
-    rewrites: dict[str, list[str]]  # per compiled step (prefill, draft, verify, accept, catch_up): what specpass rewrote
+    # Per compiled step (prefill, draft, verify, accept, catch_up): what specpass rewrote; a pass
+    # dropped ("[error] ...") or the step compiled without rewrites ("[fallback] ...") says why.
+    rewrites: dict[str, list[str]]
 
 
 class _Entry(NamedTuple):
@@ -290,11 +292,13 @@ def _describe(x: Any) -> str:
 
 class _Recorder:
     """Per compiled step, the rewrites specpass reported for a kept Decoder's graphs (compiled, or
-    loaded with the saved steps)."""
+    loaded with the saved steps), a pass that failed and a step compiled without rewrites among them."""
 
     def __init__(self) -> None:
         self.fired: dict[str, list[str]] = {}
 
     def add(self, reports: list[tuple[str, Report]]) -> None:
         for step, report in reports:
-            self.fired.setdefault(step, []).extend(str(finding) for finding in report.rewrites)
+            lines = [f"[error] {error}" for error in report.errors]
+            lines += [f"[fallback] {report.fallback}"] if report.fallback else map(str, report.rewrites)
+            self.fired.setdefault(step, []).extend(lines)

@@ -15,10 +15,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from specpass.compile_backend import backend, default_backend
+from specpass.compile_backend import ExactModeError, backend, default_backend, log_report, warn
 from specpass.loop import saved_steps
 from specpass.loop.steps import State
 from specpass.options import Options
+from specpass.report import Report
 
 COMPILERS = ("specpass", "inductor", "eager")
 
@@ -26,9 +27,8 @@ COMPILERS = ("specpass", "inductor", "eager")
 def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
              saved: bool = True) -> Callable[[Callable, str], Callable]:
     """-> wrap(fn, name): fn compiled as one graph, under a code object of its own named `name`,
-    with the batch symbolic (`batch` marks it on the inputs) and every other size static unless
-    marked: Dynamo's automatic dynamic shapes (`dynamic=None`) make a size symbolic only where
-    marked or where a recompile saw it change.
+    with the batch symbolic (`batch` marks it on the inputs) and every other size and float static
+    (`SymbolicBatch.marking`).
 
     saved: a step of specpass's backend or Inductor is saved once compiled and loaded by later
     processes without Dynamo (`saved_steps`), while specpass's compile cache is on."""
@@ -37,12 +37,19 @@ def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
     backend = default_backend if compile == "specpass" else compile  # "inductor"; a callable
     where = saved_steps.directory() if saved and savable(backend) else None
 
+    exact = getattr(getattr(backend, "options", None), "exact", False)
+
     def compiled(fn: Callable, name: str) -> Callable:
         step_code = torch.compile(own_code(name), backend=backend, mode=mode, fullgraph=True, dynamic=None)
 
         def step(*args: Any) -> Any:
+            nonlocal step_code
             batch.mark(args)
-            return step_code(fn, *args)
+            try:
+                return step_code(fn, *args)
+            except torch._dynamo.exc.Unsupported as exc:  # raised while tracing: nothing of the step ran
+                step_code = uncompiled(name, exc, exact)
+                return step_code(fn, *args)
 
         return step
 
@@ -52,6 +59,18 @@ def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
         return saved_steps.SavedStep(fn, own_code(name), backend, mode, batch, where, lambda: compiled(fn, name))
 
     return wrap
+
+
+def uncompiled(name: str, exc: Exception, exact: bool) -> Callable:
+    """The step run as it is, for a model Dynamo cannot trace as one graph: warned, and reported as
+    the step's fallback. Exact mode refuses it (its sums would not be in a fixed order)."""
+    why = f"Dynamo cannot trace {name} as one graph ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})"
+    if exact:
+        raise ExactModeError(f"exact mode refuses {name}: {why}") from exc
+    message = f"{why}; it runs uncompiled"
+    warn(message)
+    log_report(Report(fallback=message), name)
+    return lambda fn, *args: fn(*args)
 
 
 def exact_backend(compile: str | Callable) -> Callable:
@@ -74,6 +93,13 @@ class SymbolicBatch:
     this (a tensor unmarked at a call passes the guards of a graph compiled on marked ones). `more`
     names other axes to mark: the prefill's prompt length.
 
+    While marking, Dynamo's automatic dynamic shapes are off: nothing but the marks is symbolic.
+    Dynamo keeps what earlier compiles saw (a size or float that changed between them becomes
+    symbolic) per (file, first line, name) of the code, and every Decoder's step of one name has
+    the same (`own_code`): one model's prefill would make the next model's sizes and float
+    attributes (a layer's scaling, a residual multiplier) symbolic, and which graphs Inductor could
+    lower would depend on the models compiled before in the process.
+
     Size 1 is not marked: Dynamo specializes sizes 0 and 1, so `Decoder` runs a batch of one in two
     rows (one idle) when its caches hold two or more, and only a capacity of 1 compiles for 1. Caches of
     two rows (`capacity` 2) mark nothing either: the graph reads `cache[:B]`, so B can only be 2, and
@@ -89,7 +115,8 @@ class SymbolicBatch:
         self.rows = rows if rows >= 2 and capacity > 2 else None
         self.more = list(more)
         try:
-            yield
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                yield
         finally:
             self.rows, self.more = None, []
 

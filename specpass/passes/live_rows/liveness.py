@@ -78,10 +78,8 @@ def analyse(prog: Program, candidates: dict[fx.Node, Candidate], options: Option
             continue  # dead
         specs = {spec for spec, _ in wanted}
         live.asked[node] = next(iter(specs)) if len(specs) == 1 else FULL
-        if is_mutation(node):
-            live.need[node] = FULL
-            live.why[node] = f"an in-place {op_name(node.target)}"
-            demand_all(node)
+        if is_mutation(node):  # a region call that writes a cache too: its outputs' getitems stay whole
+            stay_full(node, f"an in-place {op_name(node.target)}")
             continue
         if node.op != "call_function":
             stay_full(node, "a graph input")

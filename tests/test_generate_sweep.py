@@ -1,0 +1,38 @@
+"""A subset of benchmarks/generate_sweep.py: five transformers families through `specpass.generate`,
+one after another in one process (as a server loads them), bs 1 and a ragged batch, equal to
+`model.generate` token for token and with every step compiled with its rewrites. What one family's
+compiles leave in Dynamo must not change the next one's graphs: it made the next family's float
+attributes symbolic, and a pass or Inductor's lowering failed on them, depending on the order.
+The whole sweep, with Inductor, is in docs/results.md."""
+
+import torch
+
+import specpass
+from benchmarks.generate_sweep import outcome, run_family
+
+FIVE = {"olmo2": "Olmo2ForCausalLM", "stablelm": "StableLmForCausalLM", "granite": "GraniteForCausalLM",
+        "qwen2": "Qwen2ForCausalLM", "cohere": "CohereForCausalLM"}
+
+
+def test_five_families_in_one_process_are_exact_with_their_rewrites():
+    compile_with = specpass.backend(handoff="eager")  # the passes are what is checked; Inductor on the GPU sweep
+    rows = [run_family(model_type, class_name, compile_with, fused=(False,), device=torch.device("cpu"))
+            for model_type, class_name in FIVE.items()]
+    assert [outcome(row) for row in rows] == ["exact"] * len(FIVE), rows
+    for row in rows:
+        assert set(row["runs"]) == {"bs1/apart", "ragged3/apart"}, row
+        assert all({"prefill", "catch_up"} <= set(run["rewritten"]) and not run["warnings"]
+                   for run in row["runs"].values()), row
+
+
+def test_moe_layers_and_a_last_layer_kept_as_a_region_call_keep_the_live_row_pass():
+    """Found by the sweep, where the live-row pass was dropped from the prefill and the catch-up:
+    FlexOlmo's experts write a buffer of the layer's own in place (named apart before and after the
+    last layer is inlined: the pipeline's check of the writes refused the pass), and GPT-Neo's last
+    layer, whose body holds a constant, stays a region call that writes the cache (its output was
+    gathered as if it were a tensor)."""
+    for model_type, class_name in {"flex_olmo": "FlexOlmoForCausalLM", "gpt_neo": "GPTNeoForCausalLM"}.items():
+        row = run_family(model_type, class_name, specpass.backend(handoff="eager"), fused=(False,),
+                         device=torch.device("cpu"))
+        assert outcome(row) == "exact", row
+        assert all({"prefill", "catch_up"} <= set(run["rewritten"]) for run in row["runs"].values()), row
