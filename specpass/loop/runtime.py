@@ -47,7 +47,7 @@ def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
             batch.mark(args)
             try:
                 return step_code(fn, *args)
-            except torch._dynamo.exc.Unsupported as exc:  # raised while tracing: nothing of the step ran
+            except _NOT_ONE_GRAPH as exc:  # raised while tracing: nothing of the step ran
                 step_code = uncompiled(name, exc, exact)
                 return step_code(fn, *args)
 
@@ -59,6 +59,11 @@ def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
         return saved_steps.SavedStep(fn, own_code(name), backend, mode, batch, where, lambda: compiled(fn, name))
 
     return wrap
+
+
+# What Dynamo raises under fullgraph=True for code it cannot trace whole: a graph break, or one
+# inside a region body (a repeated layer) that its higher-order op cannot take.
+_NOT_ONE_GRAPH = (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UncapturedHigherOrderOpError)
 
 
 def uncompiled(name: str, exc: Exception, exact: bool) -> Callable:
