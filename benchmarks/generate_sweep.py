@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import harness
-from benchmarks.hf_sweep import MAX_PARAMS, architectures, tiny_config
+from benchmarks.hf_sweep import MAX_PARAMS, _first_line, architectures, tiny_config
 
 # Left-padded, lengths 3, 7, 1 (pad id 0 never appears in a prompt); bs 1 is the 7-token row.
 IDS = torch.tensor([[0, 0, 0, 0, 5, 17, 33], [8, 41, 9, 60, 12, 3, 77], [0, 0, 0, 0, 0, 0, 50]])
@@ -120,10 +120,6 @@ def run_family(model_type: str, class_name: str, compile_with, fused: tuple[bool
                                       if isinstance(w.message, specpass.SpecpassWarning)})
             row["runs"][key] = run
     return row
-
-
-def _first_line(exc: object) -> str:
-    return (str(exc).splitlines() or [""])[0][:200]
 
 
 def outcome(row: dict) -> str:
