@@ -3,6 +3,7 @@
     python -m benchmarks.generate_sweep --out generate_sweep.json        # every family, one process
     python -m benchmarks.generate_sweep --only olmo2,granite,qwen2 --repeat 3
     python -m benchmarks.generate_sweep --handoff eager                  # rewritten graphs run eagerly
+    python -m benchmarks.generate_sweep --shards 8                       # 8 processes side by side
     python -m benchmarks.generate_sweep --table generate_sweep.json      # the markdown table of a run
 
 For each model type that `benchmarks.hf_sweep` builds (its tiny random config, with decisive logits),
@@ -26,7 +27,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -162,6 +165,8 @@ def main() -> None:
                         help="what runs the rewritten graphs: Inductor, or eager (the passes alone; faster)")
     parser.add_argument("--fused", default="apart,fused", help="the rounds: apart, fused or both")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shards", type=int, default=1,
+                        help="the families dealt over this many processes run side by side (each its share in sequence)")
     parser.add_argument("--out", type=Path, help="write the rows as JSON (as it goes)")
     parser.add_argument("--table", type=Path, help="print the table of a JSON file and exit")
     args = parser.parse_args()
@@ -176,6 +181,11 @@ def main() -> None:
     archs = architectures()
     if args.only:
         archs = {k: archs[k] for k in args.only.split(",")}
+    if args.shards > 1:
+        result = sharded(archs, args)
+        harness.saver(args.out)(result)
+        print(table(result["rows"]))
+        return
     compile_with = specpass.backend(handoff=args.handoff)
     fused = tuple({"apart": False, "fused": True}[f] for f in args.fused.split(","))
     device = torch.device(args.device)
@@ -191,6 +201,27 @@ def main() -> None:
             print(f"{repeat} {model_type:28s} {outcome(row):10s} {row['seconds']}s "
                   f"{(row.get('reason') or '')[:100]}", file=sys.stderr, flush=True)
     print(table(result["rows"]))
+
+
+def sharded(archs: dict[str, str], args: argparse.Namespace) -> dict:
+    """The sweep of `archs` dealt round-robin over `args.shards` processes: their rows merged in
+    `archs`' order, pass by pass. Each process writes its own rows beside `args.out` as it goes (a
+    run cut off keeps them)."""
+    shares = [list(archs)[i::args.shards] for i in range(args.shards)]
+    where = args.out.parent if args.out else Path(tempfile.mkdtemp())
+    stem = args.out.stem if args.out else "generate_sweep"
+    outs = [where / f"{stem}.shard{i}.json" for i in range(len(shares))]
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.generate_sweep", "--only", ",".join(share),
+                               "--repeat", str(args.repeat), "--handoff", args.handoff, "--fused", args.fused,
+                               "--device", args.device, "--out", str(out)], stdout=subprocess.DEVNULL)
+             for share, out in zip(shares, outs) if share]
+    codes = [proc.wait() for proc in procs]
+    runs = [json.loads(out.read_text()) for out in outs if out.exists()]
+    if not runs:
+        raise SystemExit(f"no shard wrote its rows (exit codes {codes})")
+    order = {name: i for i, name in enumerate(archs)}
+    rows = sorted((row for run in runs for row in run["rows"]), key=lambda r: (r["pass"], order[r["model_type"]]))
+    return dict(env=runs[0]["env"] | dict(shards=args.shards, shard_exit_codes=codes), rows=rows)
 
 
 if __name__ == "__main__":

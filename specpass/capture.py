@@ -22,6 +22,8 @@ from torch._guards import HopDispatchSetCache, TracingContext, detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from specpass.graph import known, set_val
+
 
 class CaptureError(RuntimeError):
     """The graph cannot be brought into the IR; the backend compiles it unrewritten."""
@@ -44,7 +46,63 @@ def to_aten_ir(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
             aten_node._rename(_input_name(dynamo_node.name))
             aten_node.target = aten_node.name
         aten_gm.recompile()
+    _scalar_constants_made_in_bodies(aten_gm)
+    _cats_of_one_tensor_made_contiguous(aten_gm)
     return aten_gm
+
+
+def _cats_of_one_tensor_made_contiguous(gm: fx.GraphModule) -> None:
+    """`cat([x, empty])` (a rotary split whose pass-through part is empty) as the copy of x it is,
+    laid out as the IR's cat is: contiguous. Inductor's decomposition drops the empty inputs and
+    clones x keeping its strides, while the IR's trace saw a contiguous result and recorded no
+    `.contiguous()` after it: a later `view` that relied on it fails in AOTAutograd's trace."""
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        graph, changed = module.graph, False
+        for node in list(graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)):
+            tensors = node.args[0]
+            kept = [t for t in tensors if not known(t.meta["val"].numel() == 0)]
+            if len(tensors) < 2 or len(kept) != 1 or not node.meta["val"].is_contiguous():
+                continue
+            changed = True
+            with graph.inserting_before(node):
+                copy = graph.call_function(torch.ops.aten.clone.default, (kept[0],),
+                                           dict(memory_format=torch.contiguous_format))
+            copy.meta = dict(node.meta)
+            node.replace_all_uses_with(copy)
+            graph.erase_node(node)
+        if changed:
+            module.recompile()
+
+
+def _scalar_constants_made_in_bodies(gm: fx.GraphModule) -> None:
+    """Each 0-d tensor constant of a nested body (a region's: `torch.tensor(finfo.min)` in a layer)
+    made by `aten.full` where it is read. AOTAutograd's trace of a body with a constant attribute
+    fails in some torch versions ("Attempting to use FunctionalTensor on its own"), and `full` is
+    the same value, freshly made as `lift_fresh_copy` would copy it."""
+    for name, body in gm.named_modules():
+        if body is gm or not isinstance(body, fx.GraphModule):
+            continue
+        changed = False
+        for node in list(body.graph.find_nodes(op="get_attr")):
+            value = getattr(body, node.target, None)
+            if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor) or value.dim() != 0:
+                continue
+            with body.graph.inserting_before(node):
+                made = body.graph.call_function(torch.ops.aten.full.default, ([], value.item()),
+                                                dict(dtype=value.dtype, device=value.device))
+            set_val(made)
+            for user in list(node.users):
+                if user.target is torch.ops.aten.lift_fresh_copy.default:
+                    user.replace_all_uses_with(made)
+                    body.graph.erase_node(user)
+            node.replace_all_uses_with(made)
+            body.graph.erase_node(node)
+            delattr(body, node.target)
+            changed = True
+        if changed:
+            body.recompile()
 
 
 @contextlib.contextmanager

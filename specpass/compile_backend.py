@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from specpass import compile_cache
 from specpass.capture import adopt_dynamo_inputs, to_aten_ir
+from specpass.graph import device_reads_to_host
 from specpass.options import Options
 from specpass.pipeline import RewriteResult, run_passes
 from specpass.report import Report
@@ -72,7 +73,21 @@ def backend(**options: Any) -> Callable[..., Callable]:
         for switch, key in _INDUCTOR_SWITCHES.items():
             if getattr(opts, switch) and _has_config(key):
                 inductor_options.setdefault(key, True)
-        handoff = _handoff(opts.handoff, mode, inductor_options)
+        as_asked = _handoff(opts.handoff, mode, inductor_options)
+        replayed = _replayed(mode, inductor_options)
+
+        def handoff(graph: fx.GraphModule, inputs: list[Any], report: Report | None = None) -> Callable:
+            """To Inductor, with CUDA graphs where mode asks for them and the graph can be captured."""
+            reads = device_reads_to_host(graph) if replayed and isinstance(graph, fx.GraphModule) else []
+            if not reads:
+                return as_asked(graph, inputs)
+            if report is not None:
+                report.notes.append(f"CUDA graphs off: {reads[0].name} reads a CUDA tensor to the host, which "
+                                    "a CUDA graph cannot capture")
+            without_graphs = {**torch._inductor.list_mode_options(mode or "default"), **inductor_options,
+                              "triton.cudagraphs": False}
+            return _handoff(opts.handoff, None, without_graphs)(graph, inputs)
+
         refuse = _refuse_inexact(name) if opts.exact else warn
 
         def fall_back(message: str, report: Report | None = None) -> None:
@@ -121,14 +136,21 @@ def backend(**options: Any) -> Callable[..., Callable]:
         for error in result.report.errors:
             warn(error)
         try:
-            compiled = handoff(result.graph_module, example_inputs)
+            compiled = handoff(result.graph_module, example_inputs, result.report)
         except Exception as exc:
             _reraise_restart(exc)
-            if not result.report.rewrites:  # the graph as captured: the failure is the model's, not a rewrite's
-                raise
+            if not result.report.rewrites:  # the IR as captured: Dynamo's own graph is all that is left to try
+                return _handed_off_from_dynamo(handoff, gm, example_inputs, exc)
             fall_back(f"compiling the rewritten graph failed ({type(exc).__name__}: {exc}); "
                       "compiling it without rewrites", result.report)
-            return handoff(aten_gm if aten_gm is not None else _unrewritten(gm, example_inputs), example_inputs)
+            unrewritten = aten_gm if aten_gm is not None else _unrewritten(gm, example_inputs)
+            try:
+                return handoff(unrewritten, example_inputs)
+            except Exception as again:
+                _reraise_restart(again)
+                if unrewritten is gm:
+                    raise
+                return _handed_off_from_dynamo(handoff, gm, example_inputs, again)
         try:
             log_report(result.report, name)
         except Exception as exc:  # a report that cannot be printed is a bug, not the model's problem
@@ -200,6 +222,21 @@ def _store(cache_key: str | None, result: RewriteResult) -> None:
              "as rewritten")
 
 
+def _handed_off_from_dynamo(handoff: Callable, gm: fx.GraphModule, example_inputs: list[Any],
+                            failure: Exception) -> Callable:
+    """Dynamo's graph handed off as torch.compile hands it to Inductor, where Inductor failed on the
+    IR of it: a layout the IR's trace fixed (a `.contiguous()` it saw as a no-op) can differ in
+    AOTAutograd's trace of the IR. If Dynamo's graph fails too, the IR's failure is raised."""
+    try:
+        compiled = handoff(gm, example_inputs)
+    except Exception as exc:
+        _reraise_restart(exc)
+        raise failure from exc
+    log.info("specpass: Inductor failed on the IR (%s: %s); compiled Dynamo's graph instead",
+             type(failure).__name__, failure)
+    return compiled
+
+
 def _unrewritten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModule:
     """The IR of a graph whose rewrite came from the cache; the Dynamo graph if it cannot be captured."""
     try:
@@ -212,9 +249,9 @@ def _unrewritten(gm: fx.GraphModule, example_inputs: list[Any]) -> fx.GraphModul
 
 # specpass switches that turn an Inductor option on (where this torch has it), unless options= set it.
 _INDUCTOR_SWITCHES = {"pdl": "triton.enable_pdl", "coordinate_descent": "coordinate_descent_tuning"}
-# Passes whose kernels save a microsecond or two a call, launched through a library op from Python:
-# on an H200's host that op costs tens of microseconds a call (issue 49's ninth measurement), which
-# only a CUDA graph's replay hides.
+# Passes whose kernels save little a call, launched through a library op from Python: the op's host
+# time a call is many times what the kernel saves, which only a CUDA graph's replay hides
+# (docs/results.md, the prefill's host time).
 _REPLAYED_ONLY = ("gemv", "gemv_group")
 _REPLAYED_ONLY_WHY = "their op's host time a call outweighs what their kernel saves where Python launches it"
 

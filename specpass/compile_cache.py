@@ -1,6 +1,6 @@
 """specpass's compile cache: a process that compiles a graph another process already rewrote, with
-the same options, loads the rewritten graph and its report instead of capturing and rewriting again
-(issue 35). torch's own caches (AOTAutograd, FX graph) then skip Inductor's work on it.
+the same options, loads the rewritten graph and its report instead of capturing and rewriting
+again. torch's own caches (AOTAutograd, FX graph) then skip Inductor's work on it.
 
 Where: `$SPECPASS_CACHE_DIR`, else `specpass/` under torch's Inductor cache directory
 (`$TORCHINDUCTOR_CACHE_DIR`, default `/tmp/torchinductor_<user>`): clearing torch's cache clears ours.

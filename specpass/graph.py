@@ -22,6 +22,18 @@ aten = torch.ops.aten
 SCALAR_READS = {aten.item.default, aten._local_scalar_dense.default}
 
 
+def device_reads_to_host(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of gm and of the bodies it holds that read a CUDA tensor's value to the host (ATen's
+    `item`, or Dynamo's `.item()` / `.tolist()` before capture): a CUDA graph cannot capture them."""
+    def on_cuda(node: Any) -> bool:
+        value = node.meta.get("val", node.meta.get("example_value")) if isinstance(node, fx.Node) else None
+        return isinstance(value, torch.Tensor) and value.device.type == "cuda"
+
+    return [n for module in gm.modules() if isinstance(module, fx.GraphModule) for n in module.graph.nodes
+            if ((n.op == "call_function" and n.target in SCALAR_READS)
+                or (n.op == "call_method" and n.target in ("item", "tolist"))) and on_cuda(n.args[0])]
+
+
 def val(node: Any) -> Any:
     """The fake value of a node (or the literal itself for non-node arguments)."""
     return node.meta.get("val") if isinstance(node, fx.Node) else node

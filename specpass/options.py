@@ -24,7 +24,7 @@ class Options:
     # CUDA graph replays the step (the backend turns it and gemv_group off elsewhere).
     gemv: bool = True
     # gemv: the linears of one input (q, k and v; gate and up) in one launch, `gemv_group`: at most 4,
-    # static rows. Measured in a step: docs/results.md, issue 49's eighth measurement.
+    # static rows. Measured in a step: docs/results.md, the linears of one input in one launch.
     gemv_group: bool = True
     # Repeated layers compiled once: the next layer's head (its norm) moves into each layer's body,
     # so that Inductor fuses it with the residual add that ends the layer (one kernel per seam).
@@ -39,8 +39,8 @@ class Options:
     # (K/V on every row, Q on the live rows) into one matmul per block over the weight's rows.
     split_projections: bool = True
     # ... when it runs on at least this many rows. Below, the matmul is bound by reading its weight
-    # (the same bytes whatever the rows: at 256 rows an H100 matmul is still memory-bound), so a
-    # split saves no time and adds a launch (benchmarks/catchup.py --fused-qkv, docs/results.md).
+    # (the same bytes whatever the rows), so a split saves no time and adds a launch
+    # (benchmarks/catchup.py --fused-qkv; docs/results.md, the catch-up step's fused QKV split).
     split_min_rows: int = 512
     # argmax: "exact" keeps exp(top_x - logsumexp(x)); "ones" replaces used probability
     # values by 1 (only when the caller states the values do not matter).

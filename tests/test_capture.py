@@ -170,3 +170,102 @@ def test_a_lifted_constant_keeps_dynamo_s_inputs():
     torch._dynamo.reset()
     out = torch.compile(step, backend=specpass.backend(), fullgraph=True)(x)  # through the passes and Inductor
     assert torch.equal(cache, want) and torch.allclose(out, want.sum())
+
+
+class MaskedBlock(torch.nn.Module):
+    """gpt_neo's spelling: the mask value made as a tensor inside the layer, a constant of its body."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        low = torch.tensor(torch.finfo(x.dtype).min, dtype=x.dtype)
+        return torch.where(x > 0, self.proj(x), low).clamp(min=-10.0)
+
+
+def test_a_scalar_constant_of_a_region_body_is_made_where_it_is_read():
+    """A 0-d constant in a repeated block's body: made by `aten.full` in the body (AOTAutograd's
+    trace of a body holding a constant attribute fails in some torch versions), the value unchanged,
+    and through Inductor exact."""
+    from specpass.capture import to_aten_ir
+    from specpass.graph import region_body, is_region_call
+
+    torch.manual_seed(0)
+    stack = torch.nn.ModuleList([MaskedBlock() for _ in range(3)])
+    specpass.mark_repeated_blocks(stack)
+    captured = []
+
+    def spy(gm, example_inputs):
+        captured.append(to_aten_ir(gm, example_inputs))
+        return captured[-1].forward  # the IR runs the call
+
+    def run(x):
+        for block in stack:
+            x = block(x)
+        return x
+
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        want = run(x)
+        got = torch.compile(run, backend=spy, fullgraph=True)(x)
+        (gm,) = captured
+        bodies = {region_body(n) for n in gm.graph.nodes if is_region_call(n)}
+        assert bodies, "the blocks were not captured as a region"
+        for body in bodies:
+            assert not body.graph.find_nodes(op="get_attr")
+            (full,) = [n for n in body.graph.nodes if n.target is aten.full.default]
+            assert full.args[1] == torch.finfo(torch.float32).min
+        assert torch.equal(got, want)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(run, backend=specpass.backend(), fullgraph=True)(x), want)
+
+
+def test_reads_of_a_cuda_tensor_to_the_host_are_found_in_bodies_too():
+    """What makes the backend compile a step without CUDA graphs: a read of a CUDA tensor's value (ATen's
+    `_local_scalar_dense`, Dynamo's `.tolist()`: a MoE's expert sizes), at the top or inside a body;
+    a CPU tensor's read is not one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specpass.graph import device_reads_to_host
+
+    def reads(device):
+        with FakeTensorMode():
+            value = torch.empty(4, dtype=torch.long, device=device)
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        x.meta["val"] = value
+        size = graph.call_function(aten._local_scalar_dense.default, (x,))
+        y = graph.placeholder("y")
+        y.meta["example_value"] = value  # a Dynamo graph's
+        sizes = graph.call_method("tolist", (y,))
+        graph.output((size, sizes))
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    for device, found in (("cuda", 2), ("cpu", 0)):
+        assert len(device_reads_to_host(reads(device))) == found
+        graph = torch.fx.Graph()
+        graph.output(graph.get_attr("body"))
+        outer = torch.fx.GraphModule({"body": reads(device)}, graph)  # a region's body, say
+        assert len(device_reads_to_host(outer)) == found
+
+
+def test_a_cat_with_an_empty_part_stays_contiguous_through_inductor():
+    """gpt-neox-japanese's rotary split with nothing passed through: `cat([rotated, x[..., 16:]])` of a
+    permuted tensor, then `.contiguous().view(...)`. The IR's trace records no `.contiguous()` (the cat
+    is contiguous); Inductor's decomposition drops the empty part and keeps the permuted strides. The
+    IR makes that cat a contiguous copy: compiled with its rewrites, no warning, exact."""
+    import warnings
+
+    def heads(qkv):  # [B, T, H * 16] -> [B * H, T, 16]
+        b, t = qkv.shape[:2]
+        q = qkv.view(b, t, 2, 16).permute(0, 2, 1, 3)
+        q = torch.cat((q[..., :16] * 2, q[..., 16:]), dim=-1).contiguous()
+        return q.view(b * 2, t, 16).softmax(-1).max(-1)
+
+    x = torch.randn(3, 4, 32)
+    want = heads(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", specpass.SpecpassWarning)
+        got = torch.compile(heads, backend=specpass.backend(), fullgraph=True)(x)
+    assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0])

@@ -177,6 +177,28 @@ def test_an_inductor_failure_on_the_rewritten_graph_compiles_it_unrewritten(monk
     assert len(compiled) == 2
 
 
+def test_an_inductor_failure_on_the_ir_compiles_dynamo_s_own_graph(monkeypatch):
+    """Inductor fails on the IR, rewritten or not (a layout its trace of the IR sees otherwise), and
+    takes Dynamo's graph, as torch.compile hands it: the step compiles, without rewrites, reported."""
+    compiled = []
+
+    class Inductor:  # fails on the IR (ATen ops), runs Dynamo's graph (torch functions)
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __call__(self, gm, example_inputs):
+            ir = any(isinstance(n.target, torch._ops.OpOverload) for n in gm.graph.nodes)
+            compiled.append("IR" if ir else "Dynamo's")
+            if ir:
+                raise RuntimeError("injected failure on the IR")
+            return gm
+
+    monkeypatch.setattr(torch, "_TorchCompileInductorWrapper", Inductor)
+    (message,) = _run_with_warnings(specpass)
+    assert "compiling the rewritten graph failed (RuntimeError: injected failure on the IR)" in message, message
+    assert compiled == ["IR", "IR", "Dynamo's"]
+
+
 @pytest.mark.parametrize("where, cause", [("to_aten_ir", "could not capture this graph"),
                                           ("adopt_dynamo_inputs", "could not prepare this graph"),
                                           ("_TorchCompileInductorWrapper", "compiling the rewritten graph failed")])
@@ -222,3 +244,37 @@ def test_dynamos_restart_signal_goes_back_to_dynamo(monkeypatch):
     with backend_module.collecting_reports() as reports:
         assert _run_with_warnings(specpass.backend(handoff="eager")) == []
     assert len(calls) == 2 and [r.fallback for _, r in reports] == [None] and reports[0][1].rewrites
+
+
+def test_a_step_cuda_graphs_cannot_capture_runs_again_without_them():
+    """An op that reads a tensor to the host inside an opaque custom op fails a CUDA graph's capture,
+    before any kernel of the step ran: the step runs again compiled without CUDA graphs (made only
+    then), once warned and reported. Any other error is the step's own and propagates."""
+    from specpass.loop.runtime import CaptureChecked
+
+    calls = []
+
+    def captured(x):
+        calls.append("captured")
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+                           "tensor is pinned.")
+
+    def without_graphs():
+        calls.append("made")
+        return lambda x: calls.append("without") or x + 1
+
+    step = CaptureChecked(captured, without_graphs, "decode_round")
+    assert calls == []
+    with warnings.catch_warnings(record=True) as caught, backend_module.collecting_reports() as reports:
+        warnings.simplefilter("always")
+        assert step(1) == 2 and step(2) == 3
+    assert calls == ["captured", "made", "without", "without"]
+    (warning,) = [w for w in caught if isinstance(w.message, specpass.SpecpassWarning)]
+    assert "CUDA graphs cannot capture decode_round (Cannot copy between CPU and CUDA" in str(warning.message)
+    assert [(name, r.notes) for name, r in reports] == [("decode_round", [str(warning.message)])]
+
+    def broken(x):
+        raise RuntimeError("The size of tensor a (3) must match the size of tensor b (4)")
+
+    with pytest.raises(RuntimeError, match="size of tensor a"):
+        CaptureChecked(broken, without_graphs, "verify")(1)

@@ -36,3 +36,22 @@ def test_moe_layers_and_a_last_layer_kept_as_a_region_call_keep_the_live_row_pas
                          device=torch.device("cpu"))
         assert outcome(row) == "exact", row
         assert all({"prefill", "catch_up"} <= set(run["rewritten"]) for run in row["runs"].values()), row
+
+
+def test_shards_run_side_by_side_and_merge_in_the_sweep_s_order(tmp_path):
+    """`--shards`: the families dealt round-robin over processes, each writing its rows beside `--out`,
+    merged pass by pass in the sweep's order. Three types the sweep cannot build keep it short."""
+    import argparse
+
+    from benchmarks.generate_sweep import sharded
+    from benchmarks.hf_sweep import architectures
+
+    names = ["xlnet", "prophetnet", "longcat_flash"]  # no sequence limit; no num_hidden_layers; too large
+    archs = {name: architectures()[name] for name in names}
+    args = argparse.Namespace(shards=2, repeat=1, handoff="eager", fused="apart", device="cpu",
+                              out=tmp_path / "sweep.json")
+    result = sharded(archs, args)
+    assert [row["model_type"] for row in result["rows"]] == names
+    assert [outcome(row) for row in result["rows"]] == ["not built"] * 3, result["rows"]
+    assert result["env"]["shard_exit_codes"] == [0, 0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.shard0.json", "sweep.shard1.json"]

@@ -317,6 +317,14 @@ def test_refuses_an_encoder_not_loaded_as_a_decoder():
     assert torch.equal(ours(model, IDS, MASK).sequences, reference(model, IDS, MASK))
 
 
+def test_refuses_a_model_whose_logits_read_later_tokens():
+    """Whatever its config says: here every position's embedding gains the mean over the sequence."""
+    model = build("llama")
+    model.model.embed_tokens.register_forward_hook(lambda module, args, out: out + out.mean(1, keepdim=True))
+    _refusal("is not causal: changing the last of three tokens", model=model)
+    _refusal("assistant_model .* is not causal", assistant_model=model, model=build("llama"))
+
+
 def test_refuses_stateful_models():
     config = transformers.MambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, state_size=4)
     _refusal("roll", model=transformers.MambaForCausalLM(config))

@@ -13,6 +13,7 @@ drive exactly.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 import torch.nn as nn
@@ -55,6 +56,31 @@ def check_model(model: nn.Module, role: str) -> None:
     if config._attn_implementation not in ATTENTION:
         raise ValueError(f"{role} ({name}) uses attn_implementation={config._attn_implementation!r}, which does not "
                          f"read a 4D mask; load it with attn_implementation='sdpa' (or 'eager')")
+    if not _causal(model):
+        raise ValueError(f"{role} ({name}) is not causal: changing the last of three tokens changed the logits at "
+                         "the two before it, so its attention reads later tokens and no cache of past keys serves "
+                         "it; use a causal LM (an encoder's LM head: load it with is_decoder=True, in a "
+                         "transformers version that honours it)")
+
+
+_CAUSAL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its probe's answer
+
+
+@torch.no_grad()
+def _causal(model: nn.Module) -> bool:
+    """Whether the model's logits at a position ignore the tokens after it, by a probe: the config
+    flags that say so are not always honoured. A model the probe cannot run (its weights not
+    materialized, say) passes: the loop then fails with its own reason."""
+    if model not in _CAUSAL:
+        first = next(iter(model.parameters()), None)
+        vocab = getattr(model.config.get_text_config(), "vocab_size", None) or 8
+        try:
+            ids = torch.tensor([[1, 2, 3], [1, 2, 4]], device=first.device if first is not None else None) % vocab
+            logits = model(input_ids=ids, use_cache=False).logits[:, :2].float()
+        except Exception:
+            return True
+        _CAUSAL[model] = torch.allclose(logits[0], logits[1], rtol=1e-3, atol=1e-3 * float(logits.abs().max()))
+    return _CAUSAL[model]
 
 
 def cache_keyword(model: nn.Module) -> str | None:

@@ -5,13 +5,12 @@ routes to it). On CUDA kernels/triton_gemv.py, imported on first use; elsewhere 
 
 The same value as `F.linear` up to the order of its fp32 sums: products of x's dtype summed in
 fp32, the bias added in fp32, rounded once. Which calls the kernel takes (`kernel_rows`), from
-`python -m benchmarks.linears` on an H200 (docs/results.md, issue 49's seventh measurement):
+`python -m benchmarks.linears` (docs/results.md, the GEMV pass in a step):
 
-- one row, any weight: a Llama-3-8B decode step's linears at 1.06-1.09x their bytes' floor, where
-  cuBLAS's kernels take 1.13-1.14x;
+- one row, any weight: the kernel reads a weight nearer its bytes' floor than cuBLAS's kernels do;
 - up to MAX_ROWS rows of a weight of at most SMALL_WEIGHT_BYTES: a call of such a weight is its
-  launch's latency, 1.5-1.8 us against cuBLAS's 2.1-2.5 us at 1-4 rows;
-- anything else `F.linear`: at 2 rows of a 12 MB weight and more, cuBLAS's GEMM is faster.
+  launch's latency, shorter for the kernel than for cuBLAS's;
+- anything else `F.linear`: past one row of a larger weight, cuBLAS's GEMM is faster.
 
 A graph whose rows are symbolic (a batch compiled once for every size) gets each call settled at
 its own size.

@@ -86,18 +86,18 @@ def _merge(Part, Lse, Out, so_b, so_t, so_h, T, HK, splits,
 
 
 def splits_for(batch_heads: int, slots: int, device: torch.device, block_n: int) -> int:
-    """Chunks per (request, K/V head): about one program per SM, each chunk 2 blocks or more. Swept
-    on an H100 at 5 rows per request (benchmarks/verify_attention.py): 16 x 4K slots best at 2 chunks
-    (128 µs; 1: 166, 4: 137, 8: 146), 64 x 4K at 1, 1 x 4K at 16; one 128-slot block, 4 warps, 2 stages."""
+    """Chunks per (request, K/V head): about one program per SM, each chunk 2 blocks or more. From a
+    sweep of chunk counts at 5 rows per request (benchmarks/verify_attention.py, docs/results.md):
+    the fewer the requests, the more chunks pay, down to one where the requests' heads fill the SMs;
+    one 128-slot block, 4 warps, 2 stages."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(triton.cdiv(sms, batch_heads), slots // (2 * block_n)))
 
 
 def aligned_rows(mask: torch.Tensor) -> torch.Tensor:
     """The mask with each [S] row 16-byte aligned, copied where it is not: the kernel's mask reads
-    vectorise only then. Read byte by byte (a cache of 537 slots), a tree round's attention calls
-    took 38 µs instead of 8 on an H100 (docs/results.md); `cache_slots` rounds the caches so the
-    loop's masks need no copy."""
+    vectorise only then: read byte by byte, a tree round's attention calls took several times as long
+    (docs/results.md, draft trees). `cache_slots` rounds the caches so the loop's masks need no copy."""
     if mask.stride(3) == 1 and mask.data_ptr() % 16 == 0 and all(mask.stride(i) % 16 == 0 for i in range(3)):
         return mask
     B, _, T, S = mask.shape

@@ -10,12 +10,12 @@ program there are N / 4 programs, enough to keep every SM's loads in flight at a
 
 The configuration is one for every shape: 4 weight rows a program, chunks of 1,024 / BM (the
 largest power of two up to that dividing K, at least 128; else that and a masked tail: the
-accumulator's registers the same at every BM), 4 warps, 3 stages. A probe's sweep of 33-83
-configurations a Llama-3-8B linear at one row (rows a program 4-32, chunks 256-1,024, 4 or 8 warps,
-K split 1-16 ways; H200) found it the best of them all but at lm_head, within 1% there:
-docs/results.md, the sixth measurement of issue 49. Past one row it is slower than cuBLAS for a
-large weight (the seventh): the op sends those calls to F.linear. The kernel launches on the
-current CUDA device, as every op of the library's does.
+accumulator's registers the same at every BM), 4 warps, 3 stages. A probe's sweep of
+configurations at each Llama-3-8B linear at one row (rows a program 4-32, chunks 256-1,024, 4 or 8
+warps, K split 1-16 ways) found it the best of them all but at lm_head, and near the best there
+(docs/results.md, the 8B linears timed as a step runs them). Past one row it is slower than cuBLAS
+for a large weight (docs/results.md, the GEMV pass in a step): the op sends those calls to
+F.linear. The kernel launches on the current CUDA device, as every op of the library's does.
 
 Triton is imported here only, on the first call on a CUDA tensor.
 """

@@ -25,7 +25,7 @@ into NaN (the max itself skips NaN): the chunk's max is then +inf, and its row's
 Few rows (fewer than the GPU's SMs): each row is cut into `splits` chunks, one program each,
 enough to fill the GPU, and a second, tiny kernel combines them: m = max(m_c), z = sum(z_c *
 exp(m_c - m)), the index from the first chunk holding m. Otherwise one launch writes the
-outputs. Tiles and splits come from `config_for`, tuned on an H100 (docs/results.md).
+outputs. Tiles and splits come from `config_for`, tuned by a sweep (docs/results.md, sampling).
 
 Triton is imported here only, on the first call on a CUDA tensor.
 """
@@ -268,7 +268,7 @@ WHOLE_ROW_BYTES = 128 * 1024  # from a quarter as many rows as SMs, rows this sh
 
 
 def config_for(rows: int, vocab: int, itemsize: int, sms: int = 132) -> tuple[int, int, int]:
-    """(E, num_warps, splits) for rows x vocab logits of `itemsize` bytes (an H100 sweep,
+    """(E, num_warps, splits) for rows x vocab logits of `itemsize` bytes (a sweep,
     `benchmarks/sampling.py --configs`, docs/results.md): a row per program, in tiles of 8192
     elements over 16 warps (4-byte tiles of 2048 elements over 4 warps from 8 rows per SM, 16-bit
     logits only), where the rows alone fill the GPU: at least as many as SMs, or a quarter as many

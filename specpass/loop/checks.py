@@ -140,7 +140,8 @@ def check_prompts(prompts: Sequence[Sequence[int]], limits: list[int], vocab_siz
         ids = list(prompt)
         if not ids:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token (e.g. BOS)")
-        # Plain ints in range: three passes in C (a Python loop per token took 34 ms at 64 x 450 tokens).
+        # Plain ints in range: three passes in C (a Python loop per token is slow on a batch of long
+        # prompts: docs/results.md, transformers models through specpass.generate).
         if not (all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < vocab_size):
             for j, t in enumerate(ids):
                 if not is_int(t) or not 0 <= t < vocab_size:

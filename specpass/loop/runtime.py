@@ -1,5 +1,6 @@
 """Compiling and running the loop's steps: each step compiled under a code object of its own with
-its batch symbolic, the skip-guards stance of the later rounds, the fused round's state kept in
+its batch symbolic (again without CUDA graphs where they cannot capture it), the skip-guards stance of
+the later rounds, the fused round's state kept in
 place, CUDA-graph replays' outputs cloned (steps apart), the prompts as a tensor, the host's read of the
 done flag, the phase timer."""
 
@@ -39,7 +40,7 @@ def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
 
     exact = getattr(getattr(backend, "options", None), "exact", False)
 
-    def compiled(fn: Callable, name: str) -> Callable:
+    def compiled(fn: Callable, name: str, mode: str | None) -> Callable:
         step_code = torch.compile(own_code(name), backend=backend, mode=mode, fullgraph=True, dynamic=None)
 
         def step(*args: Any) -> Any:
@@ -53,12 +54,49 @@ def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
 
         return step
 
-    def wrap(fn: Callable, name: str) -> Callable:
+    def wrap_with(fn: Callable, name: str, mode: str | None) -> Callable:
         if where is None:
-            return compiled(fn, name)
-        return saved_steps.SavedStep(fn, own_code(name), backend, mode, batch, where, lambda: compiled(fn, name))
+            return compiled(fn, name, mode)
+        return saved_steps.SavedStep(fn, own_code(name), backend, mode, batch, where,
+                                     lambda: compiled(fn, name, mode))
+
+    def wrap(fn: Callable, name: str) -> Callable:
+        step = wrap_with(fn, name, mode)
+        if mode != "reduce-overhead":
+            return step
+        return CaptureChecked(step, lambda: wrap_with(fn, name, None), name)
 
     return wrap
+
+
+class CaptureChecked:
+    """A step under CUDA graphs that drops them if its graph cannot be captured: an op that reads a
+    tensor to the host (an opaque custom op's `.tolist()`, which Inductor cannot see into) fails the
+    capture, before any kernel of the step ran (captured kernels do not execute), so the step runs
+    again compiled without CUDA graphs, warned and reported. Only then does it compile again."""
+
+    def __init__(self, step: Callable, without_graphs: Callable[[], Callable], name: str):
+        self.step, self.without_graphs, self.name = step, without_graphs, name
+        self.captured = True
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.step(*args)
+        except RuntimeError as exc:
+            if not self.captured or not capture_refused(exc):
+                raise
+            message = (f"CUDA graphs cannot capture {self.name} ({(str(exc).splitlines() or [''])[0]}); it runs "
+                       "compiled without them")
+            warn(message)
+            log_report(Report(notes=[message]), self.name)
+            self.step, self.captured = self.without_graphs(), False
+            return self.step(*args)
+
+
+def capture_refused(exc: RuntimeError) -> bool:
+    """Whether exc is CUDA's or torch's refusal of an operation during a CUDA-graph capture."""
+    text = str(exc)
+    return "graph capture" in text or "stream is capturing" in text
 
 
 # What Dynamo raises under fullgraph=True for code it cannot trace whole: a graph break, or one

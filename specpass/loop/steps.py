@@ -162,7 +162,7 @@ def accept(state: State, y: Tensor, a: Tensor) -> tuple[State, Tensor]:
     emitting &= state.count[:, None] + t < state.limit[:, None]
     # y_t goes to column count + t; columns past count + emitted are scratch: the next round (or
     # nothing) overwrites them. A select, pointwise for Inductor: a scatter ran as ATen's kernel
-    # after a copy of out (H200 profile of a plain step).
+    # after a copy of out (a profile of a plain step).
     col = torch.arange(state.out.shape[1], device=y.device) - state.count[:, None]  # [B, L]
     out = torch.where((col >= 0) & (col <= K), y.gather(1, col.clamp(0, K)), state.out)
     count = state.count + emitting.sum(1)

@@ -1,4 +1,4 @@
-"""The tree round's pure algorithms (issue 33): EAGLE-2/3's dynamic draft tree, its greedy and its
+"""The tree round's pure algorithms: EAGLE-2/3's dynamic draft tree, its greedy and its
 lossless sampled acceptance. Static shapes throughout, no host syncs: every function is traceable
 with fullgraph=True. A leaf module: torch, specpass.sampling and the counter hash only.
 

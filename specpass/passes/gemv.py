@@ -7,11 +7,10 @@
 ->  y = gemv(x, wt.t())             # a view: the weight as it is stored
 
 At one row a linear reads its weight once and does two FLOPs a weight element: its time is the
-weight's bytes. cuBLAS's kernels for it run at 1.01-1.68x that floor on an H200 at Llama-3-8B
-shape (1.13x over a decode step's linears), the kernel at 0.95-1.32x (1.06x); a weight of a few
-hundred KB is its launch's latency, where the kernel takes 1.5-1.8 us at 1 to 4 rows and cuBLAS
-2.1-2.5 us (docs/results.md, issue 49's seventh measurement). Its value differs from cuBLAS's by the
-order of the fp32 sums, as cuBLAS's own choice of kernel makes it differ between row counts.
+weight's bytes. cuBLAS's kernels for it run well above that floor, the kernel near it; a weight of
+a few hundred KB is its launch's latency, shorter for the kernel than for cuBLAS's at 1 to 4 rows
+(docs/results.md, the GEMV pass in a step). Its value differs from cuBLAS's by the order of the
+fp32 sums, as cuBLAS's own choice of kernel makes it differ between row counts.
 
 Where a CUDA graph replays the step (the backend turns the pass off elsewhere:
 compile_backend._REPLAYED_ONLY), and when, proven from the fake tensors: CUDA; x and w (and b) of
@@ -33,7 +32,8 @@ dtype, all with biases or none, at static rows, and runs where its first linear 
 whose weight is computed later, whose user needs it contiguous, or whose value is the graph's
 output runs alone, with the reason.
 
-On by default, groups too (measured in a step: docs/results.md, issue 49's eighth measurement).
+On by default, groups too (measured in a step: docs/results.md, the linears of one input in one
+launch).
 Exact mode routes linears to its row-invariant kernel instead and turns this off.
 """
 

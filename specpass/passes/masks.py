@@ -3,8 +3,8 @@
 SDPA converts a boolean mask into the additive mask its kernel reads (`where(mask, 0, -inf)`, or
 cuDNN's finite variant) inside the call, so a decoder converts the one mask its layers share once
 per layer. A repeated layer compiled once takes the mask as an input of its body, and Inductor
-converts it in every call: one kernel per layer and step (12 a step of the shipped target; 12
-fewer with the pass on an H200, docs/results.md). The rewrite
+converts it in every call: one kernel per layer and step, where once a step would do (the pass's
+kernels a step: docs/results.md, the masks pass). The rewrite
 
     o_i = scaled_dot_product_attention(q_i, k_i, v_i, mask, ...)     # each layer, in the graph or a body
 ->  m = convert(mask)                                                 # once, before the first reader

@@ -1,7 +1,7 @@
 """Topk as one Triton kernel: a top-k over a short row runs as k rounds of selection (a small k) or
 as a stable sort and a slice, which Inductor lowers to one Triton kernel fused with what produces the
-row, instead of ATen's top-k (a radix select and a bitonic sort of its k results: two kernels of a
-few µs each, whatever the row's length).
+row, instead of ATen's top-k (a radix select and a bitonic sort of its k results: two kernels
+whose time does not shrink with the row's length).
 
     values, indices = topk(x, k, dim, largest, sorted)
 ->  selection (k <= 8, a float row longer than 256): each element's key, its value's order and
@@ -11,9 +11,8 @@ few µs each, whatever the row's length).
 ->  sort (otherwise): values, indices = sort(x, dim, descending=largest, stable=True)[:k along dim]
 
 A tree round makes many such calls on short rows: each draft step's top-k of its children, the
-re-rank over topk² candidates, and the draft's top-k over a small vocabulary. On an H100 the
-ATen pair cost a tree round 84 µs per round; on an H200 the sort of a 258-token row took 8.7-10.0 µs
-a call, its selection 3.5-5.4 (docs/passes.md#topk-as-sort).
+re-rank over topk² candidates, and the draft's top-k over a small vocabulary, so the ATen pair's
+time adds up a round (docs/results.md, draft trees; a call of each form: docs/passes.md#topk-as-sort).
 
 Exact, both forms: the first k in the order (value descending, or ascending with largest=False;
 equal values by index) are the k largest (smallest), in order: topk's values, sorted or not
@@ -52,10 +51,10 @@ NAME = "topk_sort"
 _TOPK = aten.topk.default
 SORT_MAX_ROW = 512  # Inductor's persistent sort kernel takes rows up to this (ir.Sort.create)
 # k rounds of a reduction against a sort's log²(row) stages over the row padded to a power of two:
-# on an H200 the selection took 3.0-5.4 µs a call at k 4 and 8, the sort 1.6-2.1 µs on rows of 16
-# and 7.2-10.0 µs on rows of 258 and 512 (benchmarks/topk_sort.py, docs/passes.md#topk-as-sort)
+# at k up to 8 the selection is the faster on rows of 258 and 512, the sort on short rows
+# (benchmarks/topk_sort.py, docs/passes.md#topk-as-sort)
 SELECT_MAX_K = 8
-SELECT_MIN_ROW = 257  # a row of up to 256 sorts in 256 lanes: 1.6-3.1 µs up to 128 (H100, H200)
+SELECT_MIN_ROW = 257  # a row of up to 256 sorts in 256 lanes: faster than the selection on the short rows measured
 _SELECT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # exact in float32, whose bits order as int32
 
 

@@ -1,17 +1,17 @@
 """Chunks: few rows over a long softmax axis, reduced in two stages.
 
 Inductor never splits an arg-reduction (one block per row, so bs=1 reads a 150K vocabulary with
-one SM), and it splits any other reduction of fewer than 2 x SMs rows longer than 8192 (Hopper),
-which turns its one-pass online softmax off. So when the rows are fewer than CHUNK_ROWS, the
-softmax's (last) axis is cut into chunks of >= CHUNK_MIN (a multiple of CHUNK_ALIGN, the tail
-padded with -inf): stage 1 reduces each chunk (max, sum, argmax; one kernel), stage 2 combines
-the chunks per row:
+one SM), and it splits any other reduction of fewer than 2 x SMs rows longer than 8192 (its
+threshold below compute capability 10), which turns its one-pass online softmax off. So when the
+rows are fewer than CHUNK_ROWS, the softmax's (last) axis is cut into chunks of >= CHUNK_MIN (a
+multiple of CHUNK_ALIGN, the tail padded with -inf): stage 1 reduces each chunk (max, sum, argmax;
+one kernel), stage 2 combines the chunks per row:
 
     m = max(m_c), z = sum(z_c * exp(m_c - m)), index = w * chunk + i_c[w]
 
 with w the first chunk holding the row's maximum (of s, or of hits), so the index is the first
 position of it, as argmax's. With m and z (exact values, or argmax_ties="eager"): from 2 chunks;
-indices only: from 4 (a plain argmax is as fast below that; measured on H100, docs/passes.md).
+indices only: from 4 (a plain argmax is as fast below that; measured: docs/passes.md).
 """
 
 from __future__ import annotations
