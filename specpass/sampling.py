@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -93,6 +93,25 @@ def per_request(value, n: int, name: str, kind: type, ok, rule: str) -> list:
             raise ValueError(f"{name}{where} must be {'an int' if kind is int else 'a number'} {rule}, got {v!r}")
         checked.append(kind(v))
     return checked
+
+
+def eos_ids(eos_id: Any, n: int) -> list[list[int]]:
+    """Each of n requests' EOS ids, any of which stops it ([] for none): None, one int for all, or one
+    entry per request, an int (-1: none) or a sequence of ints."""
+    each = isinstance(eos_id, Sequence) and not isinstance(eos_id, (str, bytes))
+    entries = list(eos_id) if each else [-1 if eos_id is None else eos_id] * n
+    if len(entries) != n:
+        raise ValueError(f"eos_id has {len(entries)} values for {n} prompts: pass one per prompt (an int or a "
+                         "sequence of ints), or one int for all")
+    rows = []
+    for i, entry in enumerate(entries):
+        several = isinstance(entry, Sequence) and not isinstance(entry, (str, bytes))
+        ids = list(entry) if several else [entry]
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= -1 for v in ids):
+            where = f"[{i}]" if each else ""
+            raise ValueError(f"eos_id{where} must be an int >= -1 or a sequence of them, got {entry!r}")
+        rows.append(sorted({int(v) for v in ids if v >= 0}))
+    return rows
 
 
 # --- the distribution of a token

@@ -222,8 +222,12 @@ def test_prompts_of_other_integer_types_decode_as_ints(target):
 
 def test_bad_eos_and_a_decoder_that_refused_a_request_still_decodes(target):
     dec = decoder(target, zoo_drafter("tiny-llama-eagle3"))
-    with pytest.raises(ValueError, match=r"eos_id\[0\] must be an int >= -1, got None"):
+    with pytest.raises(ValueError, match=r"eos_id\[0\] must be an int >= -1 or a sequence of them, got None"):
         dec.generate([[1], [5, 6]], 8, eos_id=[None, 3])
+    with pytest.raises(ValueError, match=r"eos_id\[1\] must be .* got \[3, 'a'\]"):
+        dec.generate([[1], [5, 6]], 8, eos_id=[2, [3, "a"]])
+    with pytest.raises(ValueError, match="eos_id has 3 values for 2 prompts"):
+        dec.generate([[1], [5, 6]], 8, eos_id=[2, 3, 4])
     with pytest.raises(ValueError, match="prompt 1 has 70 tokens"):
         dec.generate([[1], [5] * 70], 8)
     fresh = decoder(target, zoo_drafter("tiny-llama-eagle3")).generate([[1, 9], [5, 6, 7]], 12)

@@ -142,6 +142,89 @@ def test_eos_per_request_pads_like_generate():
     assert (out.sequences[0, IDS.shape[1] + 3:] == 90).all() and out.sequences.shape[1] > IDS.shape[1] + 3
 
 
+@pytest.mark.parametrize("compile", ["eager", "specpass"])
+def test_several_eos_ids_stop_each_request_on_any_of_them(compile):
+    """A list of EOS ids (a Llama-3 Instruct generation_config's), as `model.generate` takes it: request 0
+    stops on one id, request 2 on another, each where plain decoding first emits it; compiled, the ids
+    are compared inside the round."""
+    model, draft = build("llama"), build("llama", noise=0.1)
+    free = reference(model, IDS, MASK, eos_token_id=None)
+    n = IDS.shape[1]
+    first, second = int(free[0, n + 2]), int(free[2, n + 4])
+    assert first != second and second not in free[0, n:n + 3].tolist() and first not in free[2, n:n + 5].tolist()
+    expected = reference(model, IDS, MASK, eos_token_id=[first, second], pad_token_id=90)
+    compile_with = specpass.backend(handoff="eager") if compile == "specpass" else "eager"
+    out = specpass.generate(model, IDS, attention_mask=MASK, max_new_tokens=NEW, assistant_model=draft,
+                            eos_token_id=[first, second], pad_token_id=90, compile=compile_with)
+    assert torch.equal(out, expected)
+    assert (out[0, n + 3:] == 90).all() and (out[2, n + 5:] == 90).all()
+    model.generation_config.eos_token_id = [second, first]  # read from the config as generate reads it
+    assert torch.equal(ours(model, IDS, MASK, assistant_model=draft, pad_token_id=90).sequences, expected)
+
+
+class RecordingStreamer:
+    """transformers' streamer protocol, each call recorded in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(("put", value.tolist()))
+
+    def end(self):
+        self.calls.append(("end",))
+
+
+def test_a_streamer_gets_the_prompt_then_each_round_s_tokens_then_end():
+    model, draft = build("llama"), build("llama", noise=0.1)
+    ids, mask = IDS[[1]], MASK[[1]]
+    streamer = RecordingStreamer()
+    out = ours(model, ids, mask, assistant_model=draft, num_assistant_tokens=K, streamer=streamer)
+    assert torch.equal(out.sequences, reference(model, ids, mask))
+    calls = streamer.calls
+    assert calls[0] == ("put", ids.tolist()) and calls[-1] == ("end",)
+    pieces = [c[1] for c in calls[1:-1]]
+    assert all(c[0] == "put" and len(p) == 1 for c, p in zip(calls[1:-1], pieces))  # [1, n]: one request
+    assert sum((p[0] for p in pieces), []) == out.sequences[0, ids.shape[1]:].tolist()
+    assert pieces[0] == [[out.sequences[0, ids.shape[1]].tolist()]]  # the prefill's token, on its own
+    assert len(pieces) == out.metrics.rounds + 1 and any(len(p[0]) > 1 for p in pieces)  # a round at a time
+
+
+def test_a_streamer_takes_one_request_and_the_protocol():
+    _refusal("streamer= takes one request", streamer=RecordingStreamer())
+    _refusal("lacks put", error=TypeError, streamer=object())
+
+
+def test_generation_config_is_read_as_generate_reads_it():
+    """`generation_config=` stands in for the model's: its EOS list, pad id and do_sample."""
+    model, draft = build("llama"), build("llama", noise=0.1)
+    free = reference(model, IDS, MASK, eos_token_id=None)
+    n = IDS.shape[1]
+    config = transformers.GenerationConfig(eos_token_id=[int(free[0, n + 2]), int(free[2, n + 4])], pad_token_id=90)
+    want = model.generate(IDS, attention_mask=MASK, max_new_tokens=NEW, generation_config=config)
+    out = ours(model, IDS, MASK, assistant_model=draft, generation_config=config)
+    assert torch.equal(out.sequences, want) and not torch.equal(want, free)
+    sampled = transformers.GenerationConfig(do_sample=True, temperature=0.7, top_k=0)
+    got = ours(model, IDS, MASK, assistant_model=draft, generation_config=sampled, seed=5).sequences
+    assert torch.equal(got, ours(model, IDS, MASK, assistant_model=draft, do_sample=True, temperature=0.7,
+                                 top_k=0, seed=5).sequences)
+    assert not torch.equal(got, reference(model, IDS, MASK))  # sampled, not greedy
+
+
+def test_options_specpass_does_not_apply_are_refused_by_name():
+    """Never ignored: a generation config's field that changes tokens, model.generate's own keywords."""
+    model = build("llama")
+    model.generation_config.repetition_penalty = 1.3
+    _refusal(r"the model's generation_config sets repetition_penalty=1.3, which specpass.generate does not apply",
+             model=model)
+    config = transformers.GenerationConfig(no_repeat_ngram_size=2, min_new_tokens=3)
+    _refusal(r"generation_config sets min_new_tokens=3, no_repeat_ngram_size=2", generation_config=config)
+    for name, value in (("repetition_penalty", 1.2), ("stop_strings", ["."]),
+                        ("logits_processor", transformers.LogitsProcessorList())):
+        _refusal(f"specpass.generate does not apply {name} ", **{name: value})
+    _refusal(r"unexpected keyword arguments \['nonsense'\]", error=TypeError, nonsense=1)
+
+
 def test_compiled_catch_up_gets_the_live_row_rewrite():
     model, draft = build("llama"), build("llama", noise=0.1)
     out = specpass.generate(model, IDS, attention_mask=MASK, assistant_model=draft, max_new_tokens=NEW,
@@ -336,10 +419,10 @@ def test_refuses_attention_without_a_4d_mask():
     _refusal("attn_implementation='sdpa'", model=model)
 
 
-def test_refuses_right_padding_and_several_eos_ids_and_too_many_positions():
+def test_refuses_right_padding_a_bad_eos_id_and_too_many_positions():
     with pytest.raises(ValueError, match="left padding"):
         ours(build("llama"), IDS, MASK.flip(1))
-    _refusal("one EOS id", eos_token_id=[2, 3])
+    _refusal(r"eos_token_id must be a token id \(an int >= 0\) or a list of them, got \[2, -3\]", eos_token_id=[2, -3])
     with pytest.raises(ValueError, match="64 positions"):
         specpass.generate(build("gpt2"), IDS, attention_mask=MASK, max_new_tokens=60, compile="eager")
 

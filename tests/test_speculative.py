@@ -121,6 +121,23 @@ def test_eos_mid_batch(target, name):
     assert speculate(target, name, 3, eos_id=[-1, eos, -1]).tokens == [ref[0], want[1], ref[2]]
 
 
+@pytest.mark.parametrize("k", [3, "tree"])
+def test_several_eos_ids_per_request(target, k):
+    """Any of a request's ids stops it, each request its own set, in chain and tree rounds, compiled
+    (the passes, eagerly run) as the loop runs them."""
+    from specpass.loop import TreeShape
+
+    ref = greedy(target).tokens
+    a, b, c = ref[0][4], ref[1][6], ref[2][3]
+    sets = [[b, a], [b], [c, a]]
+    want = [r[: min([r.index(e) for e in ids if e in r] + [len(r) - 1]) + 1] for r, ids in zip(ref, sets)]
+    assert [len(w) for w in want] != [NEW] * 3 and want[0] != ref[0], "pick ids that stop some requests early"
+    shape = TreeShape(2, 3, 6) if k == "tree" else k
+    out = speculate(target, "tiny-llama-eagle3", shape, eos_id=sets, compile=specpass.backend(handoff="eager"))
+    assert out.tokens == want
+    assert greedy(target, eos_id=sets).tokens == want
+
+
 def test_max_new_tokens_per_request_and_idle_rows(target):
     ref = greedy(target).tokens
     budgets = [3, 11, 1]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -25,7 +26,7 @@ from transformers import PreTrainedModel
 
 from specpass.compile_backend import backend as specpass_backend, collecting_reports, warn
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
-from specpass.loop import Decoder, Metrics, TreeShape, round_shape
+from specpass.loop import Decoder, Metrics, State, TreeShape, round_shape
 from specpass.loop.checks import check_cache_size
 from specpass.loop.shapes import aligned
 from specpass.report import Report
@@ -109,11 +110,12 @@ class DecoderCache:
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attention_mask: Tensor | None = None,
              assistant_model: Any = None, num_assistant_tokens: int | TreeShape = 4,
-             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, do_sample: bool = False,
+             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             do_sample: bool | None = None, generation_config: Any = None,
              tokenizer: Any = None, assistant_tokenizer: Any = None, compile: str | Callable = "specpass",
              mode: str | None = None, fused_round: bool | None = None, cache_len: int | None = None,
              max_batch: int | None = None, return_dict_in_generate: bool = False,
-             decoder_cache: DecoderCache | None = None, exact: bool = False,
+             decoder_cache: DecoderCache | None = None, exact: bool = False, streamer: Any = None,
              **sampling: Any) -> Tensor | GenerateOutput:
     """Lossless speculative decoding of `model`, greedy or sampled; see docs/hf.md.
 
@@ -122,8 +124,10 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
       EAGLE-3 head (`models.drafters.ZooDrafter`), which reads the model's hidden states.
     num_assistant_tokens: K, the drafts per round, or a `specpass.TreeShape(topk, steps, tokens)`:
       tree rounds (a drafted tree verified whole; the assistant must be a `specpass.TreeDrafter`,
-      as a standalone draft and an EAGLE-3 head are). eos_token_id, pad_token_id: default the model's
-      generation_config's. tokenizer, assistant_tokenizer: when both are given, their vocabularies
+      as a standalone draft and an EAGLE-3 head are). eos_token_id (an id or a list: any stops a
+      request), pad_token_id, do_sample: default the generation config's: `generation_config`, else
+      the model's, as `model.generate` reads them; a field of it that changes tokens and that specpass
+      does not apply (repetition_penalty, min_new_tokens, ...) is refused by name, never ignored. tokenizer, assistant_tokenizer: when both are given, their vocabularies
       must be the same. compile: "specpass", "inductor", "eager" or a backend callable; mode,
       fused_round: default CUDA graphs ("reduce-overhead") and the fused round on a GPU.
     cache_len: the static cache length. Default: the slots the call needs (the longest prompt +
@@ -154,9 +158,11 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
                         "not draft_tree=")
     k = _k(num_assistant_tokens) if assistant_model is not None else 0
     prompts = _prompts(input_ids, attention_mask)
-    eos = _eos(model, eos_token_id)
-    pad = next((p for p in (pad_token_id, model.generation_config.pad_token_id, eos) if p is not None), None)
-    options = _sampling(model, do_sample, sampling)
+    on_round = _streaming(streamer, input_ids) if streamer is not None else None
+    config = _generation_config(model, generation_config)
+    eos = _eos(config, eos_token_id)
+    pad = next((p for p in (pad_token_id, config.pad_token_id, *eos[:1]) if p is not None), None)
+    options = _sampling(config, do_sample if do_sample is not None else bool(config.do_sample), sampling)
 
     drafter = HFDrafter(assistant_model) if standalone else assistant_model
     need = round_shape(drafter, k).cache_slots(max(map(len, prompts)), max_new_tokens, k)
@@ -189,7 +195,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
         decoder.reserve(max_batch)  # a kept Decoder: grown where this call asks for more
 
     with collecting_reports() as reports:
-        out = decoder.generate(prompts, max_new_tokens, eos_id=eos, **options)
+        out = decoder.generate(prompts, max_new_tokens, eos_id=[eos] * len(prompts), on_round=on_round, **options)
+    if streamer is not None:
+        streamer.end()
     recorder.add(reports)
     width = max(map(len, out.tokens))
     # pad is None only without an EOS: then every row has the same length and no padding.
@@ -260,19 +268,80 @@ def _prompts(input_ids: Tensor, attention_mask: Tensor | None) -> list[list[int]
     return [row[m].tolist() for row, m in zip(input_ids, mask)]
 
 
-def _eos(model: nn.Module, eos_token_id: int | list[int] | None) -> int | None:
-    eos = eos_token_id if eos_token_id is not None else model.generation_config.eos_token_id
-    ids = eos if isinstance(eos, (list, tuple)) else [eos]
-    if len(ids) > 1:
-        raise ValueError(f"eos_token_id {list(ids)}: specpass stops each request on one EOS id; pass the one "
-                         "your prompts end with, e.g. eos_token_id=tokenizer.eos_token_id")
-    return ids[0] if ids else None
+def _streaming(streamer: Any, input_ids: Tensor) -> Callable[[State], None]:
+    """transformers' streamer protocol: the prompt first (`put(input_ids)`, which a `TextStreamer` with
+    skip_prompt=True skips) once the prefill ran, then the first token and each round's new tokens
+    [1, n] as the round lands; `generate` calls `end()`. One request, as transformers' streamers take."""
+    if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise TypeError(f"streamer is a {type(streamer).__name__}, which lacks put() and end(): pass a transformers "
+                        "streamer (TextStreamer, TextIteratorStreamer) or an object with both")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"streamer= takes one request (batch size 1), as transformers' streamers do; got "
+                         f"{input_ids.shape[0]}: stream each request in a call of its own")
+    sent = -1  # the prompt not yet handed over
+
+    def on_round(state: State) -> None:
+        nonlocal sent
+        if sent < 0:
+            streamer.put(input_ids.cpu())
+            sent = 0
+        count = int(state.count[0])  # the round's one more host sync
+        if count > sent:
+            streamer.put(state.out[:1, sent:count].to("cpu", input_ids.dtype))
+            sent = count
+
+    return on_round
 
 
-def _sampling(model: nn.Module, do_sample: bool, sampling: dict[str, Any]) -> dict[str, Any]:
+# Fields of a generation config that change no token of a call specpass runs: what is returned,
+# the cache, the length cap that max_new_tokens overrides, the assistant's own schedule; and the
+# ones it reads. Any other field set away from its default is refused by name.
+_READ = {"eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k", "top_p"}
+_NO_EFFECT = {"_from_model_config", "transformers_version", "bos_token_id", "decoder_start_token_id", "max_length",
+              "max_new_tokens", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
+              "compile_config", "disable_compile", "return_dict_in_generate", "output_attentions",
+              "output_hidden_states", "output_scores", "output_logits", "num_assistant_tokens",
+              "num_assistant_tokens_schedule", "assistant_confidence_threshold", "is_assistant", "low_memory",
+              "prefill_chunk_size"}
+
+
+def _generation_config(model: nn.Module, given: Any) -> Any:
+    """The generation config `model.generate` would read (`given`, else the model's), checked: a field
+    that changes tokens and that specpass does not apply is refused by name."""
+    config = given if given is not None else model.generation_config
+    if not hasattr(config, "to_diff_dict"):
+        raise TypeError(f"generation_config is a {type(config).__name__}, not a transformers GenerationConfig")
+    unapplied = sorted(set(config.to_diff_dict()) - _READ - _NO_EFFECT)
+    if unapplied:
+        where = "generation_config" if given is not None else "the model's generation_config"
+        values = ", ".join(f"{name}={getattr(config, name)!r}" for name in unapplied)
+        raise ValueError(f"{where} sets {values}, which specpass.generate does not apply (its tokens would not be "
+                         "model.generate's): pass a generation_config without it, or set it back to its default "
+                         "on model.generation_config")
+    return config
+
+
+def _eos(config: Any, eos_token_id: int | list[int] | None) -> list[int]:
+    """The EOS ids, any of which stops a request (transformers': the argument, else the generation
+    config's; an int or a list)."""
+    eos = eos_token_id if eos_token_id is not None else config.eos_token_id
+    if eos is None:
+        return []
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"eos_token_id must be a token id (an int >= 0) or a list of them, got {eos!r}")
+    return ids
+
+
+def _sampling(config: Any, do_sample: bool, sampling: dict[str, Any]) -> dict[str, Any]:
     """The sampling keywords for `Decoder.generate`; {} for greedy decoding. Unset ones are the
     generation_config's (transformers' defaults: temperature 1, top_k 50, top_p 1)."""
     unknown = sorted(set(sampling) - set(SAMPLING))
+    unapplied = [name for name in unknown if hasattr(config, name) or name in _generate_parameters()]
+    if unapplied:
+        raise ValueError(f"specpass.generate does not apply {', '.join(unapplied)} (model.generate's "
+                         f"generation options it takes: eos_token_id, pad_token_id, do_sample, {', '.join(SAMPLING)}, "
+                         "max_new_tokens, streamer, generation_config)")
     if unknown:
         raise TypeError(f"generate() got unexpected keyword arguments {unknown}")
     if not do_sample:
@@ -280,10 +349,16 @@ def _sampling(model: nn.Module, do_sample: bool, sampling: dict[str, Any]) -> di
             raise ValueError("temperature, top_k and top_p take effect with do_sample=True (as in transformers' "
                              "generate); without it decoding is greedy")
         return {}
-    config = model.generation_config
     chosen = {name: sampling[name] if sampling.get(name) is not None else getattr(config, name, None)
               for name in ("temperature", "top_k", "top_p")}
     return {name: value for name, value in {**chosen, "seed": sampling.get("seed")}.items() if value is not None}
+
+
+def _generate_parameters() -> set[str]:
+    """The named parameters of transformers' `model.generate` (logits_processor, stopping_criteria, ...)."""
+    from transformers.generation.utils import GenerationMixin
+
+    return set(inspect.signature(GenerationMixin.generate).parameters) - {"self", "kwargs"}
 
 
 def _describe(x: Any) -> str:

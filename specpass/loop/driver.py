@@ -41,7 +41,7 @@ from specpass.loop.shapes import PLAIN, RoundShape, round_shape
 from specpass.loop.steps import Carry, State, Steps, carried, decode_round, decode_round_in_place, prefill_step
 from specpass.loop.tree import TreeShape, depth
 from specpass.repeated_blocks import mark_repeated_blocks
-from specpass.sampling import Params, per_request
+from specpass.sampling import Params, eos_ids, per_request
 
 
 @dataclasses.dataclass
@@ -247,11 +247,13 @@ class Decoder:
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                 eos_id: int | Sequence[int] | None = None, timing: bool = False, *,
+                 eos_id: int | Sequence[int | Sequence[int]] | None = None, timing: bool = False, *,
                  temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] | None = None,
-                 top_p: float | Sequence[float] | None = None, seed: int | Sequence[int] | None = None) -> Output:
+                 top_p: float | Sequence[float] | None = None, seed: int | Sequence[int] | None = None,
+                 on_round: Callable[[State], None] | None = None) -> Output:
         """Decode each prompt; per-request `max_new_tokens`, `eos_id` and sampling parameters (a
-        value for all or one per prompt).
+        value for all or one per prompt). A request's `eos_id` may be several ids, any of which stops
+        it (`eos_id=[[2, 7]] * len(prompts)`).
 
         temperature: 0 (default) is greedy decoding; > 0 samples from softmax(logits / temperature),
           cut to the `top_k` largest logits (0: off) and then to the smallest set of mass `top_p`
@@ -260,12 +262,17 @@ class Decoder:
           stream of it) or one per request; the same seeds give the same tokens. None: a fresh one.
         timing=True also splits the round time into its steps (steps compiled apart): CUDA events
         (the host clock on CPU) after each step, read once at the end, so no sync is added.
+        on_round(state): called after the prefill and after each round with its `State` (`out`,
+          `count`: what each request has emitted so far), before the next round starts; what it reads
+          to the host costs a sync a round (streaming does).
         """
         B = len(prompts)
         prompts, limits, eos, params = self._request(prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed)
         start = self.clock()
         run = self._prefill(prompts, limits, eos, params)
         prefill_end = self.clock()
+        if on_round is not None:
+            on_round(run.state)
 
         timer = PhaseTimer(self.device) if timing and not self.fused_round else None
         run_round = self._bound[self._k].round if timer is None else self._timed_round(timer)
@@ -275,6 +282,8 @@ class Decoder:
         with contextlib.closing(self._replay(run_round, run, check)) as replay:
             for state, _, finished in replay:
                 rounds += 1
+                if on_round is not None:
+                    on_round(state)
                 if rounds >= most:  # every budget spent: no flag to wait for, no round past the last
                     break
                 if flags.push(finished):  # the round's one host sync
@@ -300,7 +309,7 @@ class Decoder:
 
     @torch.no_grad()
     def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-              eos_id: int | Sequence[int] | None = None, *, temperature: float | Sequence[float] = 0.0,
+              eos_id: int | Sequence[int | Sequence[int]] | None = None, *, temperature: float | Sequence[float] = 0.0,
               top_k: int | Sequence[int] | None = None, top_p: float | Sequence[float] | None = None,
               seed: int | Sequence[int] | None = None, position: int | None = None) -> Run:
         """The checks and the prefill of `generate` (the same arguments) -> the first round's `Run`;
@@ -370,12 +379,12 @@ class Decoder:
     # --- the loop's parts
 
     def _request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
-                 eos_id: int | Sequence[int] | None, temperature: Any, top_k: Any, top_p: Any,
-                 seed: Any) -> tuple[list[list[int]], list[int], list[int], Params | None]:
+                 eos_id: int | Sequence[int | Sequence[int]] | None, temperature: Any, top_k: Any, top_p: Any,
+                 seed: Any) -> tuple[list[list[int]], list[int], list[list[int]], Params | None]:
         """generate's arguments checked -> (prompts, budgets, EOS ids, sampling parameters or None)."""
         B = len(prompts)
         limits = per_request(max_new_tokens, B, "max_new_tokens", int, lambda v: v >= 1, ">= 1")
-        eos = per_request(-1 if eos_id is None else eos_id, B, "eos_id", int, lambda v: v >= -1, ">= -1")  # -1: none
+        eos = eos_ids(eos_id, B)
         if seed is None and self.ranks is not None:
             seed = self.ranks.shared_seed()  # not one fresh seed per rank
         prompts = self._check_prompts(prompts, limits, self._k)
@@ -392,7 +401,8 @@ class Decoder:
     def _check_prompts(self, prompts: Sequence[Sequence[int]], limits: list[int], k: int) -> list[list[int]]:
         return check_prompts(prompts, limits, self.vocab_size, self.max_len, k, round_shape(self.drafter, k).cache_slots)
 
-    def _prefill(self, prompts: list[list[int]], limits: list[int], eos: list[int], params: Params | None) -> Run:
+    def _prefill(self, prompts: list[list[int]], limits: list[int], eos: list[list[int]],
+                 params: Params | None) -> Run:
         """The prompts, right-padded (and a batch of one with an idle row, `_rows`), through the
         compiled prefill; emits each request's first token. -> the first round's run."""
         B, device = self._rows(len(prompts)), self.device
@@ -406,12 +416,13 @@ class Decoder:
             first, carry = self._bound[self._k].prefill(tokens, lengths, params)
 
         limit = torch.tensor(limits + [0] * idle, device=device)
-        eos_t = torch.tensor(eos + [-1] * idle, device=device)
+        E = max(1, *map(len, eos))
+        eos_t = torch.tensor([ids + [-1] * (E - len(ids)) for ids in eos] + [[-1] * E] * idle, device=device)
         out = torch.zeros(B, self.max_len, dtype=torch.long, device=device)  # wider than any budget + K + 1
         out[:, 0] = first
         count = (limit > 0).long()
         state = State(last=first, pos=lengths, out=out, count=count, limit=limit, eos=eos_t,
-                      done=(count >= limit) | (first == eos_t),
+                      done=(count >= limit) | (first[:, None] == eos_t).any(1),
                       stats=torch.zeros(depth(self._k) + 1, dtype=torch.long, device=device))
         return Run(state, carry, params, self._k)
 

@@ -40,7 +40,7 @@ class State(NamedTuple):
     out: Tensor  # [B, max_len] emitted tokens; columns past `count` are scratch
     count: Tensor  # [B] tokens emitted
     limit: Tensor  # [B] max_new_tokens (0 for padding rows of the batch)
-    eos: Tensor  # [B] the request's EOS id, -1 for none
+    eos: Tensor  # [B, E] the request's EOS ids (any one stops it), -1 where it has fewer than E
     done: Tensor  # [B] bool
     stats: Tensor  # [K+1] int64: active request-rounds, then how many accepted draft i = 1..K
 
@@ -157,7 +157,7 @@ def accept(state: State, y: Tensor, a: Tensor) -> tuple[State, Tensor]:
 
     # This round emits y_0..y_a (d_1..d_a, then the target's y_a), cut after an EOS and at the budget.
     emitting = (t <= a[:, None]) & ~state.done[:, None]  # [B, K+1]
-    is_eos = (y == state.eos[:, None]) & emitting
+    is_eos = (y[:, :, None] == state.eos[:, None, :]).any(2) & emitting
     emitting &= t <= first_true(is_eos)[:, None]  # nothing after the first EOS
     emitting &= state.count[:, None] + t < state.limit[:, None]
     # y_t goes to column count + t; columns past count + emitted are scratch: the next round (or
