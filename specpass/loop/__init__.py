@@ -11,6 +11,8 @@
     cost.py       the choice of K: price, choose_k, next_k_to_time, KChoice
     choose.py     the choice among drafters: choose_drafter, tune_k on a Decoder per drafter
     runtime.py    compiling and running the steps: own code objects, guards, CUDA-graph clones, timers
+    saved_steps.py  the compiled steps saved to disk and loaded by later processes without compiling
+    tuning.py     Decoder.tune_k: each K (a tree, plain decoding) timed, priced, the best chosen
     checks.py     what Decoder is given, checked
     distributed.py  tensor parallel: the ranks' agreement checked, and the group's teardown
     driver.py     Decoder: binds, compiles, prefills, loops

@@ -158,7 +158,6 @@ class Decoder:
         check_ranks_option(group, check_ranks)
         check_exact(exact, compile, compile_prefill, group, device_of(target))
         compile = exact_backend(compile) if exact else compile
-        self.exact = exact
         self.target, self.drafter = target, drafter
         self.max_batch, self.max_len = max_batch, max_len
         self.device = device_of(target)
