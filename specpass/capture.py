@@ -81,7 +81,7 @@ def _scalar_constants_made_in_bodies(gm: fx.GraphModule) -> None:
     made by `aten.full` where it is read. AOTAutograd's trace of a body with a constant attribute
     fails in some torch versions ("Attempting to use FunctionalTensor on its own"), and `full` is
     the same value, freshly made as `lift_fresh_copy` would copy it."""
-    for name, body in gm.named_modules():
+    for body in gm.modules():
         if body is gm or not isinstance(body, fx.GraphModule):
             continue
         changed = False

@@ -127,7 +127,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
       as a standalone draft and an EAGLE-3 head are). eos_token_id (an id or a list: any stops a
       request), pad_token_id, do_sample: default the generation config's: `generation_config`, else
       the model's, as `model.generate` reads them; a field of it that changes tokens and that specpass
-      does not apply (repetition_penalty, min_new_tokens, ...) is refused by name, never ignored. tokenizer, assistant_tokenizer: when both are given, their vocabularies
+      does not apply (repetition_penalty, min_new_tokens, ...) is refused by name, never ignored.
+      streamer: transformers' streamer protocol, one request, a round's tokens at a time.
+      tokenizer, assistant_tokenizer: when both are given, their vocabularies
       must be the same. compile: "specpass", "inductor", "eager" or a backend callable; mode,
       fused_round: default CUDA graphs ("reduce-overhead") and the fused round on a GPU.
     cache_len: the static cache length. Default: the slots the call needs (the longest prompt +
