@@ -4,6 +4,7 @@
     python -m benchmarks.generate_sweep --only olmo2,granite,qwen2 --repeat 3
     python -m benchmarks.generate_sweep --handoff eager                  # rewritten graphs run eagerly
     python -m benchmarks.generate_sweep --shards 8                       # 8 processes side by side
+    python -m benchmarks.generate_sweep --shards 16 --balance last.json --deadline 540   # dealt by last run's times
     python -m benchmarks.generate_sweep --table generate_sweep.json      # the markdown table of a run
 
 For each model type that `benchmarks.hf_sweep` builds (its tiny random config, with decisive logits),
@@ -167,6 +168,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shards", type=int, default=1,
                         help="the families dealt over this many processes run side by side (each its share in sequence)")
+    parser.add_argument("--balance", type=Path,
+                        help="deal the shards by a previous run's seconds per type (longest first, to the least loaded)")
+    parser.add_argument("--deadline", type=float, help="stop the shards after this many seconds, keeping their rows")
     parser.add_argument("--out", type=Path, help="write the rows as JSON (as it goes)")
     parser.add_argument("--table", type=Path, help="print the table of a JSON file and exit")
     args = parser.parse_args()
@@ -204,10 +208,11 @@ def main() -> None:
 
 
 def sharded(archs: dict[str, str], args: argparse.Namespace) -> dict:
-    """The sweep of `archs` dealt round-robin over `args.shards` processes: their rows merged in
-    `archs`' order, pass by pass. Each process writes its own rows beside `args.out` as it goes (a
-    run cut off keeps them)."""
-    shares = [list(archs)[i::args.shards] for i in range(args.shards)]
+    """The sweep of `archs` dealt over `args.shards` processes (round-robin, or by a previous run's
+    seconds with `args.balance`): their rows merged in `archs`' order, pass by pass. Each process
+    writes its own rows beside `args.out` as it goes: a run cut off (`args.deadline`) keeps them and
+    names the types it did not reach."""
+    shares = deal(list(archs), args.shards, getattr(args, "balance", None))
     where = args.out.parent if args.out else Path(tempfile.mkdtemp())
     stem = args.out.stem if args.out else "generate_sweep"
     outs = [where / f"{stem}.shard{i}.json" for i in range(len(shares))]
@@ -215,14 +220,39 @@ def sharded(archs: dict[str, str], args: argparse.Namespace) -> dict:
                                "--repeat", str(args.repeat), "--handoff", args.handoff, "--fused", args.fused,
                                "--device", args.device, "--out", str(out)], stdout=subprocess.DEVNULL)
              for share, out in zip(shares, outs) if share]
-    codes = [proc.wait() for proc in procs]
+    deadline = getattr(args, "deadline", None)
+    end = None if deadline is None else time.monotonic() + deadline
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(None if end is None else max(end - time.monotonic(), 0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(f"cut off after {deadline:.0f} s")
     runs = [json.loads(out.read_text()) for out in outs if out.exists()]
     if not runs:
         raise SystemExit(f"no shard wrote its rows (exit codes {codes})")
     order = {name: i for i, name in enumerate(archs)}
     rows = sorted((row for run in runs for row in run["rows"]), key=lambda r: (r["pass"], order[r["model_type"]]))
-    return dict(env=runs[0]["env"] | dict(shards=args.shards, shard_exit_codes=codes), rows=rows)
+    reached = {(row["pass"], row["model_type"]) for row in rows}
+    cut_off = [name for name in archs if any((p, name) not in reached for p in range(1, args.repeat + 1))]
+    return dict(env=runs[0]["env"] | dict(shards=args.shards, shard_exit_codes=codes, cut_off=cut_off), rows=rows)
 
+
+def deal(names: list[str], shards: int, previous: Path | None) -> list[list[str]]:
+    """`names` over `shards` shares: round-robin, or by a previous run's seconds per type, the longest
+    first onto the share with the fewest seconds (a type it has no row for counts as its mean)."""
+    if previous is None:
+        return [names[i::shards] for i in range(shards)]
+    seconds = {row["model_type"]: row["seconds"] for row in json.loads(previous.read_text())["rows"]}
+    mean = sum(seconds.values()) / max(len(seconds), 1)
+    shares: list[list[str]] = [[] for _ in range(shards)]
+    loads = [0.0] * shards
+    for name in sorted(names, key=lambda n: -seconds.get(n, mean)):
+        least = loads.index(min(loads))
+        shares[least].append(name)
+        loads[least] += seconds.get(name, mean)
+    return shares
 
 if __name__ == "__main__":
     main()

@@ -103,10 +103,17 @@ class Row:
 
 def saver(path: Path | None, indent: int = 1) -> Callable[[Any], None]:
     """save(result): its JSON written to `path` (nothing without a path). Benchmarks save after every
-    measurement, so that a run cut off by the device's time limit keeps what it measured."""
+    measurement, so that a run cut off by the device's time limit keeps what it measured (whole: the
+    file is replaced, never half written)."""
     if path is None:
         return lambda result: None
-    return lambda result: path.write_text(json.dumps(result, indent=indent))
+
+    def save(result: Any) -> None:
+        part = path.with_name(path.name + ".part")
+        part.write_text(json.dumps(result, indent=indent))
+        part.replace(path)
+
+    return save
 
 
 # --- Dynamo

@@ -18,6 +18,8 @@ request, the held-out prompts (checkpoints/prompts.json, byte tokenizer models/t
   hf-assisted       model.generate(assistant_model=the draft): bs 1 only (transformers' limit), eager
   LOOP+guards       a loop variant (specpass/*, zoo/*) with Dynamo's guards evaluated every round
                     (`Decoder.generate` skips them from round 3 on)
+  specpass/*+penalty  with repetition_penalty=1.1 (transformers' processor, inside the compiled round;
+                    its tokens differ: not "agree")
   LOOP+pdl, LOOP+coordinate_descent, LOOP+no-gemv, LOOP+no-gemv_group   a loop variant compiled with
                     that specpass switch flipped from its default (Inductor's programmatic dependent
                     launch on; Inductor's coordinate-descent tuning on; the GEMV pass off; each linear
@@ -56,6 +58,7 @@ from pathlib import Path
 from benchmarks import harness
 
 START = time.perf_counter()
+PENALTY = 1.1  # "+penalty": specpass.generate(repetition_penalty=PENALTY)
 CHECKPOINTS = harness.ROOT / "checkpoints"
 TARGET, DRAFT, EAGLE3 = (CHECKPOINTS / n for n in ("stdlib-llama", "stdlib-llama-draft", "stdlib-llama-eagle3"))
 
@@ -120,11 +123,11 @@ class Bench:
 
         new, k = self.args.new_tokens, self.args.k
 
-        def ours(assistant, compile):
+        def ours(assistant, compile, **options):
             def run(ids, mask, prompts):
                 out = specpass.generate(self.model, ids, attention_mask=mask, assistant_model=assistant,
                                         max_new_tokens=new, num_assistant_tokens=k, compile=compile,
-                                        mode=self.mode, return_dict_in_generate=True)
+                                        mode=self.mode, return_dict_in_generate=True, **options)
                 run.rewrites = {step: collections.Counter(line.split("]")[0][1:] for line in lines)
                                 for step, lines in out.rewrites.items()}  # step -> pass -> rewrites
                 return out.sequences[:, ids.shape[1]:].tolist(), out.metrics
@@ -171,8 +174,11 @@ class Bench:
             base, _, suffix = name.partition("+")
             if base in others and not suffix:
                 return others[base]()
-            if base not in loops or suffix not in ("", "guards", *flips):
+            if base not in loops or suffix not in ("", "guards", *flips) and not (
+                    suffix == "penalty" and base.startswith("specpass/")):
                 return None
+            if suffix == "penalty":  # transformers' repetition penalty, processed inside the round
+                return loops[base](self.compile, repetition_penalty=PENALTY)
             if suffix in flips:  # the loop compiled with that specpass switch flipped (on CPU: as without)
                 return loops[base](specpass.backend(**flips[suffix]) if self.compile == "specpass" else self.compile)
             run = loops[base](self.compile)

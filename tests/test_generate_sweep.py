@@ -5,6 +5,7 @@ compiles leave in Dynamo must not change the next one's graphs: it made the next
 attributes symbolic, and a pass or Inductor's lowering failed on them, depending on the order.
 The whole sweep, with Inductor, is in docs/results.md."""
 
+import pytest
 import torch
 
 import specpass
@@ -55,3 +56,26 @@ def test_shards_run_side_by_side_and_merge_in_the_sweep_s_order(tmp_path):
     assert [outcome(row) for row in result["rows"]] == ["not built"] * 3, result["rows"]
     assert result["env"]["shard_exit_codes"] == [0, 0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.shard0.json", "sweep.shard1.json"]
+
+
+def test_balance_deals_the_longest_first_to_the_least_loaded_and_a_deadline_keeps_what_ran(tmp_path):
+    """`--balance`: a previous run's seconds per type, longest first onto the share with the fewest
+    (a type it lacks counts as their mean); `--deadline`: shards cut off, the types they did not reach named."""
+    import argparse
+    import json
+
+    from benchmarks.generate_sweep import deal, sharded
+    from benchmarks.hf_sweep import architectures
+
+    previous = tmp_path / "previous.json"
+    previous.write_text(json.dumps({"rows": [{"model_type": n, "seconds": s}
+                                             for n, s in (("a", 10), ("b", 7), ("c", 5), ("d", 4))]}))
+    # a 10 -> 0; b 7 -> 1; e 6.5 (the mean) -> 1 (7 < 10); c 5 -> 0 (10 < 13.5); d 4 -> 1 (13.5 < 15)
+    assert deal(["a", "b", "c", "d", "e"], 2, previous) == [["a", "c"], ["b", "e", "d"]]
+    assert deal(["a", "b", "c"], 2, None) == [["a", "c"], ["b"]]
+
+    names = ["xlnet", "prophetnet"]  # no shard imports torch in no time: both are cut off before a row
+    args = argparse.Namespace(shards=2, repeat=1, handoff="eager", fused="apart", device="cpu",
+                              out=tmp_path / "sweep.json", balance=None, deadline=0.0)
+    with pytest.raises(SystemExit, match=r"no shard wrote its rows \(exit codes \['cut off after 0 s', 'cut off"):
+        sharded({name: architectures()[name] for name in names}, args)

@@ -214,15 +214,52 @@ def test_generation_config_is_read_as_generate_reads_it():
 def test_options_specpass_does_not_apply_are_refused_by_name():
     """Never ignored: a generation config's field that changes tokens, model.generate's own keywords."""
     model = build("llama")
-    model.generation_config.repetition_penalty = 1.3
-    _refusal(r"the model's generation_config sets repetition_penalty=1.3, which specpass.generate does not apply",
+    model.generation_config.suppress_tokens = [5]
+    _refusal(r"the model's generation_config sets suppress_tokens=\[5\], which specpass.generate does not apply",
              model=model)
-    config = transformers.GenerationConfig(no_repeat_ngram_size=2, min_new_tokens=3)
-    _refusal(r"generation_config sets min_new_tokens=3, no_repeat_ngram_size=2", generation_config=config)
-    for name, value in (("repetition_penalty", 1.2), ("stop_strings", ["."]),
+    config = transformers.GenerationConfig(suppress_tokens=[5], min_new_tokens=3, bad_words_ids=[[5]])
+    _refusal(r"generation_config sets bad_words_ids=\[\[5\]\], suppress_tokens=\[5\], which", generation_config=config)
+    for name, value in (("suppress_tokens", [5]), ("stopping_criteria", transformers.StoppingCriteriaList()),
                         ("logits_processor", transformers.LogitsProcessorList())):
         _refusal(f"specpass.generate does not apply {name} ", **{name: value})
     _refusal(r"unexpected keyword arguments \['nonsense'\]", error=TypeError, nonsense=1)
+    _refusal("stop_strings needs the model's tokenizer", stop_strings=["ab"])
+
+
+def letters_tokenizer(vocab_size):
+    """A tokenizer of the tiny vocabulary, built here (nothing downloaded): ids 0-25 are the letters a-z,
+    the others two letters each ("aa", "ab", ...); text splits into letters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    names = [chr(97 + i) if i < 26 else chr(96 + i // 26) + chr(97 + i % 26) for i in range(vocab_size)]
+    tokenizer = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="a"))
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Split("", "isolated"), decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer), names
+
+
+@pytest.mark.parametrize("k", [0, K, specpass.TreeShape(2, 3, 6)])
+def test_stop_strings_stop_where_model_generate_stops(k):
+    """A stop string that spans two new tokens, another that is one token: each request stops after the
+    token that completes one, as `model.generate(stop_strings=..., tokenizer=...)` does, at bs 1 and
+    ragged, and a streamer sees no token past it. With an EOS id a stopped request is padded; with
+    eos_token_id=None transformers pads nothing and every request runs to the last one's stop."""
+    model, draft = build("llama"), build("llama", noise=0.1)
+    tokenizer, names = letters_tokenizer(V)
+    free, n = reference(model, IDS, MASK, eos_token_id=None), IDS.shape[1]
+    stops = [names[int(free[1, n + 3])][-1] + names[int(free[1, n + 4])], names[int(free[0, n + 6])]]
+    for eos in ({}, {"eos_token_id": None}):
+        for rows in ([1], [0, 1, 2]):
+            want = reference(model, IDS[rows], MASK[rows], stop_strings=stops, tokenizer=tokenizer, pad_token_id=90,
+                             **eos)
+            assert want.shape[1] < n + NEW and (len(rows) == 1 or (90 in want) == (not eos))  # padded with an EOS
+            streamer = RecordingStreamer() if len(rows) == 1 else None
+            got = specpass.generate(model, IDS[rows], attention_mask=MASK[rows], max_new_tokens=NEW, compile="eager",
+                                    assistant_model=draft if k else None, num_assistant_tokens=k, stop_strings=stops,
+                                    tokenizer=tokenizer, pad_token_id=90, streamer=streamer, **eos)
+            assert torch.equal(got, want), (eos, rows, got.tolist(), want.tolist())
+            if streamer is not None:
+                streamed = sum((c[1][0] for c in streamer.calls[1:-1]), [])
+                assert streamed == want[0, n:][want[0, n:] != 90].tolist()
 
 
 def test_compiled_catch_up_gets_the_live_row_rewrite():

@@ -142,9 +142,9 @@ def test_a_fused_round_keeps_the_state_in_its_own_static_buffers(target):
     one = fused.rounds(first, 1)
     counts = one.state.count.tolist()
     two = fused.rounds(one, 2)
-    buffers = [*one.state, *[t for t in one.carry if isinstance(t, torch.Tensor)]]
-    assert all(a is b for a, b in zip(buffers, [*two.state, *[t for t in two.carry if isinstance(t, torch.Tensor)]]))
-    assert not any(a is b for a, b in zip(first.state, one.state))  # the prefill's state was copied in
+    buffers = [t for t in [*one.state, *one.carry] if isinstance(t, torch.Tensor)]
+    assert all(a is b for a, b in zip(buffers, [t for t in [*two.state, *two.carry] if isinstance(t, torch.Tensor)]))
+    assert not any(a is b for a, b in zip(first.state, one.state) if a is not None)  # the prefill's state copied in
     assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in buffers)
     assert one.state.count.tolist() != counts  # two more rounds wrote over the first one's state
     apart = Decoder(target, eagle(), k=3, max_batch=4, max_len=MAX_LEN, compile="eager", fused_round=False)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -27,12 +28,15 @@ from transformers import PreTrainedModel
 from specpass.compile_backend import backend as specpass_backend, collecting_reports, warn
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
 from specpass.loop import Decoder, Metrics, State, TreeShape, round_shape
-from specpass.loop.checks import check_cache_size
+from specpass.loop.checks import check_cache_size, check_k
 from specpass.loop.shapes import aligned
 from specpass.report import Report
 from specpass.tensor_parallel import follow, localize, shard
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
+# Applied inside the round (loop/processors.py)
+PROCESSORS = ("min_new_tokens", "min_length", "repetition_penalty", "no_repeat_ngram_size")
+CONFIGS = type("FromGenerationConfig", (), {"__repr__": lambda self: "<the generation config's>"})()  # an unset default
 # The requests a new Decoder's caches hold: later calls of up to as many reuse its compiled steps;
 # more grow the caches (to twice as many rows at least), which compiles the steps again.
 ROWS = 8
@@ -110,7 +114,7 @@ class DecoderCache:
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attention_mask: Tensor | None = None,
              assistant_model: Any = None, num_assistant_tokens: int | TreeShape = 4,
-             eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             eos_token_id: int | list[int] | None = CONFIGS, pad_token_id: int | None = None,
              do_sample: bool | None = None, generation_config: Any = None,
              tokenizer: Any = None, assistant_tokenizer: Any = None, compile: str | Callable = "specpass",
              mode: str | None = None, fused_round: bool | None = None, cache_len: int | None = None,
@@ -125,9 +129,15 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     num_assistant_tokens: K, the drafts per round, or a `specpass.TreeShape(topk, steps, tokens)`:
       tree rounds (a drafted tree verified whole; the assistant must be a `specpass.TreeDrafter`,
       as a standalone draft and an EAGLE-3 head are). eos_token_id (an id or a list: any stops a
-      request), pad_token_id, do_sample: default the generation config's: `generation_config`, else
-      the model's, as `model.generate` reads them; a field of it that changes tokens and that specpass
-      does not apply (repetition_penalty, min_new_tokens, ...) is refused by name, never ignored.
+      request; None: no EOS, as model.generate takes an explicit None), pad_token_id, do_sample:
+      default the generation config's: `generation_config`, else the model's, as `model.generate`
+      reads them; a field of it that changes tokens and that specpass does not apply
+      (no_repeat_ngram_size, bad_words_ids, ...) is refused by name, never ignored.
+    min_new_tokens, min_length, repetition_penalty, no_repeat_ngram_size: transformers' logits
+      processors, applied at every verified position with the prefix plain decoding has there
+      (loop/processors.py).
+    stop_strings (with tokenizer=): a request stops after the token that completes one, as with
+      transformers' `StopStringCriteria`.
       streamer: transformers' streamer protocol, one request, a round's tokens at a time.
       tokenizer, assistant_tokenizer: when both are given, their vocabularies
       must be the same. compile: "specpass", "inductor", "eager" or a backend callable; mode,
@@ -158,13 +168,19 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     if "draft_tree" in sampling:
         raise TypeError("generate() takes tree rounds as num_assistant_tokens=specpass.TreeShape(topk, steps, tokens), "
                         "not draft_tree=")
-    k = _k(num_assistant_tokens) if assistant_model is not None else 0
+    k = num_assistant_tokens if assistant_model is not None else 0
+    check_k(assistant_model, k, "num_assistant_tokens")
     prompts = _prompts(input_ids, attention_mask)
-    on_round = _streaming(streamer, input_ids) if streamer is not None else None
     config = _generation_config(model, generation_config)
+    stop_strings = sampling.pop("stop_strings", None)
+    stop_strings = stop_strings if stop_strings is not None else config.stop_strings
     eos = _eos(config, eos_token_id)
+    on_round = _in_order(_stopping(stop_strings, tokenizer, input_ids, eos) if stop_strings is not None else None,
+                         _streaming(streamer, input_ids) if streamer is not None else None)
     pad = next((p for p in (pad_token_id, config.pad_token_id, *eos[:1]) if p is not None), None)
+    processors = {name: sampling.pop(name) for name in PROCESSORS if name in sampling}
     options = _sampling(config, do_sample if do_sample is not None else bool(config.do_sample), sampling)
+    options |= _processors(config, processors, input_ids, prompts, eos)
 
     drafter = HFDrafter(assistant_model) if standalone else assistant_model
     need = round_shape(drafter, k).cache_slots(max(map(len, prompts)), max_new_tokens, k)
@@ -243,16 +259,6 @@ def _new_slots(need: int, models: tuple[Any, Any]) -> int:
     return max(aligned(need), min(slots, bound // 16 * 16))
 
 
-def _k(num_assistant_tokens: Any) -> int | TreeShape:
-    """num_assistant_tokens, checked: an int K >= 0 (0: plain decoding) or a TreeShape."""
-    k = num_assistant_tokens
-    if isinstance(k, TreeShape) or isinstance(k, int) and not isinstance(k, bool) and k >= 0:
-        return k
-    hint = f": pass specpass.TreeShape{tuple(k)}" if isinstance(k, (tuple, list)) and len(k) == 3 else ""
-    raise ValueError(f"num_assistant_tokens must be an int >= 0 (drafts per round; 0: plain decoding) or a "
-                     f"specpass.TreeShape(topk, steps, tokens) (tree rounds), got {k!r}{hint}")
-
-
 def _prompts(input_ids: Tensor, attention_mask: Tensor | None) -> list[list[int]]:
     """[B, P] left-padded ids and mask -> each row's prompt (the ids where the mask is 1)."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
@@ -295,10 +301,63 @@ def _streaming(streamer: Any, input_ids: Tensor) -> Callable[[State], None]:
     return on_round
 
 
+def _stopping(stop_strings: str | list[str], tokenizer: Any, input_ids: Tensor,
+              eos: list[int]) -> Callable[[State], None]:
+    """transformers' stop strings: a request stops after the token that completes one of them
+    (`StopStringCriteria`, which reads the end of input_ids: the padded prompt, then the new tokens),
+    that token kept. After each round, every new position of every request is checked in order.
+    With EOS ids, the first position that completes a stop string cuts the request's count there and
+    marks it done (transformers pads after it). Without, transformers pads nothing: every request
+    goes on until all have stopped, and the call ends at the last one's stop; so each request's
+    budget becomes that position once all have one. The tokens up to there are plain decoding's;
+    what the rounds emitted past it is dropped."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    if tokenizer is None:
+        raise ValueError("stop_strings needs the model's tokenizer: pass tokenizer= (as model.generate asks)")
+    criteria = StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+    rows = input_ids.cpu()
+    checked = [0] * len(rows)  # new tokens checked so far, per request
+    stops: list[int | None] = [None] * len(rows)  # the tokens up to each request's first stop
+
+    def cut(state: State, b: int, at: int, count: int) -> None:
+        if count >= at:
+            state.count[b], state.done[b] = at, True
+        else:
+            state.limit[b] = at
+
+    def on_round(state: State) -> None:
+        counts = state.count[: len(rows)].tolist()
+        if counts == checked or all(s is not None for s in stops):
+            return
+        out = state.out[: len(rows), : max(counts)].cpu()
+        for b, count in enumerate(counts):
+            for i in range(checked[b], count if stops[b] is None else 0):
+                if bool(criteria(torch.cat([rows[b], out[b, : i + 1]])[None], None)[0]):
+                    stops[b] = i + 1
+                    if eos:
+                        cut(state, b, i + 1, count)
+                    break
+            checked[b] = count
+        if not eos and all(s is not None for s in stops):
+            for b, count in enumerate(counts):
+                cut(state, b, max(stops), count)
+
+    return on_round
+
+
+def _in_order(*calls: Callable[[State], None] | None) -> Callable[[State], None] | None:
+    """One on_round callback that runs the given ones (None: none) in order."""
+    calls = [call for call in calls if call is not None]
+    if len(calls) <= 1:
+        return calls[0] if calls else None
+    return lambda state: [call(state) for call in calls] and None
+
+
 # Fields of a generation config that change no token of a call specpass runs: what is returned,
 # the cache, the length cap that max_new_tokens overrides, the assistant's own schedule; and the
 # ones it reads. Any other field set away from its default is refused by name.
-_READ = {"eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k", "top_p"}
+_READ = {"eos_token_id", "pad_token_id", "do_sample", "temperature", "top_k", "top_p", "stop_strings", *PROCESSORS}
 _NO_EFFECT = {"_from_model_config", "transformers_version", "bos_token_id", "decoder_start_token_id", "max_length",
               "max_new_tokens", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
               "compile_config", "disable_compile", "return_dict_in_generate", "output_attentions",
@@ -323,10 +382,10 @@ def _generation_config(model: nn.Module, given: Any) -> Any:
     return config
 
 
-def _eos(config: Any, eos_token_id: int | list[int] | None) -> list[int]:
-    """The EOS ids, any of which stops a request (transformers': the argument, else the generation
-    config's; an int or a list)."""
-    eos = eos_token_id if eos_token_id is not None else config.eos_token_id
+def _eos(config: Any, eos_token_id: Any) -> list[int]:
+    """The EOS ids, any of which stops a request (transformers': the argument, None included, else
+    the generation config's; an int or a list)."""
+    eos = eos_token_id if eos_token_id is not CONFIGS else config.eos_token_id
     if eos is None:
         return []
     ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
@@ -343,7 +402,7 @@ def _sampling(config: Any, do_sample: bool, sampling: dict[str, Any]) -> dict[st
     if unapplied:
         raise ValueError(f"specpass.generate does not apply {', '.join(unapplied)} (model.generate's "
                          f"generation options it takes: eos_token_id, pad_token_id, do_sample, {', '.join(SAMPLING)}, "
-                         "max_new_tokens, streamer, generation_config)")
+                         f"{', '.join(PROCESSORS)}, stop_strings, max_new_tokens, streamer, generation_config)")
     if unknown:
         raise TypeError(f"generate() got unexpected keyword arguments {unknown}")
     if not do_sample:
@@ -354,6 +413,45 @@ def _sampling(config: Any, do_sample: bool, sampling: dict[str, Any]) -> dict[st
     chosen = {name: sampling[name] if sampling.get(name) is not None else getattr(config, name, None)
               for name in ("temperature", "top_k", "top_p")}
     return {name: value for name, value in {**chosen, "seed": sampling.get("seed")}.items() if value is not None}
+
+
+def _processors(config: Any, given: dict[str, Any], input_ids: Tensor, prompts: list[list[int]],
+                eos: list[int]) -> dict[str, Any]:
+    """The logits processors `model.generate` would add for these options (the argument, else the
+    generation config's), as `Decoder.generate` takes them: min_length counts the padded prompt's
+    columns (input_ids' width), min_new_tokens the new tokens only; the repetition penalty reads the
+    prompt, its left padding too where the installed transformers does."""
+    chosen = {name: given[name] if given.get(name) is not None else getattr(config, name, None) for name in PROCESSORS}
+    for name in ("min_new_tokens", "min_length", "no_repeat_ngram_size"):
+        value = chosen[name]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    options: dict[str, Any] = {}
+    min_new = max(chosen["min_new_tokens"] or 0, (chosen["min_length"] or 0) - input_ids.shape[1])
+    if min_new > 0 and eos:
+        options["min_new_tokens"] = min_new
+    penalty = chosen["repetition_penalty"]
+    if penalty is not None and penalty != 1.0:
+        options["repetition_penalty"] = penalty
+        options["penalty_context"] = prompts if _penalty_skips_padding() else input_ids.tolist()
+    if chosen["no_repeat_ngram_size"]:  # it reads input_ids whole, padding included
+        options["no_repeat_ngram_size"] = chosen["no_repeat_ngram_size"]
+        options["ngram_context"] = input_ids.tolist()
+    return options
+
+
+@functools.cache
+def _penalty_skips_padding() -> bool:
+    """Whether transformers' repetition penalty leaves a left-padded prompt's padding out: `generate`
+    passes each row's padding length as `prompt_ignore_length` where the processor takes one per row
+    (newer transformers); an older one reads input_ids whole, padding included."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    try:
+        RepetitionPenaltyLogitsProcessor(2.0, prompt_ignore_length=torch.tensor([1]))
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _generate_parameters() -> set[str]:

@@ -2,6 +2,7 @@
 
     protocols.py  Target, Drafter, ChainDrafter, ParallelDrafter, TreeTarget, TreeDrafter: what the loop asks of its models
     steps.py      the pure, traceable steps every round shape shares (verify, judge, accept, ...)
+    processors.py transformers' logits processors that read the prefix (min_new_tokens, repetition penalty, n-gram ban), per verified position
     shapes.py     RoundShape, and round_shape(drafter, k): which shape a drafter's rounds take at K
     plain.py      PLAIN: no drafter, the target's own decoding
     chain.py      CHAIN: a ChainDrafter's round, K-1 draft steps and a catch-up

@@ -16,6 +16,7 @@ from specpass.loop.shapes import round_shape
 from specpass.loop.steps import is_int
 from specpass.loop.tree import TreeShape
 from specpass.options import Options
+from specpass.sampling import per_request
 
 
 def check_models(target: Any, drafter: Any) -> None:
@@ -26,12 +27,15 @@ def check_models(target: Any, drafter: Any) -> None:
         require(target, "target", Target)  # the drafter reads the target's hidden states
 
 
-def check_k(drafter: Any, k: Any) -> None:
+def check_k(drafter: Any, k: Any, name: str = "k") -> None:
+    """K (named `name` where the caller took it: specpass.generate's num_assistant_tokens) for this
+    drafter: the one check of K, whatever the entry point."""
     if drafter is None and k != 0:
         raise ValueError(f"plain decoding (drafter=None) drafts nothing: K is 0, got {k!r}")
     if drafter is not None and not (is_int(k) and k >= 0 or isinstance(k, TreeShape)):
-        raise ValueError(f"k must be an int >= 0 (draft tokens per round; 0: the drafter off, plain decoding) "
-                         f"or a specpass.TreeShape(topk, steps, tokens) (tree rounds), got {k!r}")
+        hint = f": pass specpass.TreeShape{tuple(k)}" if isinstance(k, (tuple, list)) and len(k) == 3 else ""
+        raise ValueError(f"{name} must be an int >= 0 (draft tokens per round; 0: the drafter off, plain decoding) "
+                         f"or a specpass.TreeShape(topk, steps, tokens) (tree rounds), got {k!r}{hint}")
 
 
 def check_cache_size(name: str, value: Any) -> None:
@@ -204,6 +208,37 @@ def check_timing(short: Any, long: Any, repeats: Any) -> None:
 
 
 SAMPLING_ARGUMENTS = ("temperature", "top_k", "top_p", "seed")
+
+
+def check_processors(min_new_tokens: Any, repetition_penalty: Any, penalty_context: Any, no_repeat_ngram_size: Any,
+                     ngram_context: Any, prompts: list[list[int]], vocab: int, max_len: int,
+                     ) -> tuple[list[int], list[float], list[list[int]], int, list[list[int]]]:
+    """generate's logits processors, one value for all requests or one each -> (min_new_tokens,
+    repetition penalties, the ids each penalty reads before the emitted ones, the n-gram size, the
+    ids the n-gram ban reads before the emitted ones)."""
+    B = len(prompts)
+    min_new = per_request(min_new_tokens, B, "min_new_tokens", int, lambda v: v >= 0, ">= 0 (0: off)")
+    penalty = per_request(repetition_penalty, B, "repetition_penalty", float, lambda p: 0 < p < float("inf"),
+                          "> 0 and finite (1: off; transformers' rule: > 1 penalizes repeats)")
+    if not is_int(no_repeat_ngram_size) or no_repeat_ngram_size < 0:
+        raise ValueError(f"no_repeat_ngram_size must be an int >= 0 (0: off), got {no_repeat_ngram_size!r}")
+    ngram_context = _context("ngram_context", ngram_context, prompts, vocab, "the n-gram ban")
+    if no_repeat_ngram_size and max(map(len, ngram_context)) >= max_len:
+        raise ValueError(f"ngram_context holds {max(map(len, ngram_context))} ids, as many as the caches' {max_len} "
+                         "slots or more: it must leave room for the new tokens")
+    return (min_new, penalty, _context("penalty_context", penalty_context, prompts, vocab, "the repetition penalty"),
+            no_repeat_ngram_size, ngram_context)
+
+
+def _context(name: str, context: Any, prompts: list[list[int]], vocab: int, reader: str) -> list[list[int]]:
+    """The ids a processor reads before the emitted ones, per request (None: the prompts), checked."""
+    if context is None:
+        return prompts
+    rows = [list(ids) for ids in context] if isinstance(context, Sequence) else None
+    if rows is None or len(rows) != len(prompts) or not all(is_int(t) and 0 <= t < vocab for ids in rows for t in ids):
+        raise ValueError(f"{name} must hold one sequence of token ids in [0, {vocab}) per prompt ({len(prompts)}), "
+                         f"the ids {reader} reads before the emitted ones; got {context!r:.200}")
+    return rows
 
 
 def check_sampling(sampling: Any) -> dict[str, Any]:

@@ -31,9 +31,10 @@ from torch import Tensor
 
 from specpass.loop import runtime, tuning
 from specpass.loop.checks import (check_cache_size, check_exact, check_k, check_models, check_options, check_position,
-                                  check_prompts, check_ranks_option, check_sampling, check_timing, device_of, is_int,
-                                  probe)
+                                  check_processors, check_prompts, check_ranks_option, check_sampling, check_timing,
+                                  device_of, is_int, probe)
 from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
+from specpass.loop.processors import Processing, after_emitting
 from specpass.loop.protocols import Drafter, Target
 from specpass.loop.runtime import (DoneFlags, InPlaceRound, PhaseTimer, SymbolicBatch, clock, compiler, exact_backend,
                                    replayed, right_padded)
@@ -94,7 +95,7 @@ class Bound:
     steps: Steps  # the round shape's functions with the models and K bound (what specpass.explain reads)
     apart: Steps | None  # their compiled forms, one graph each; None when the round is fused
     round: Callable[[State, Carry, Params | None], tuple[State, Carry, Tensor]]  # one round, as the loop calls it
-    prefill: Callable[[Tensor, Tensor, Params | None], tuple[Tensor, Carry]]  # `prefill_step`, compiled
+    prefill: Callable[[Tensor, Tensor, Params | None, Processing | None], tuple[Tensor, Carry]]  # `prefill_step`
 
 
 class Decoder:
@@ -178,7 +179,7 @@ class Decoder:
         self._wrap = compiler(compile, mode, self._batch, saved)
         self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, self._batch, saved)
         self._bound: dict[int, Bound] = {}  # K -> its steps and compiled forms (`use_k` switches K)
-        self.use_k(k if drafter is not None else 0)
+        self._use(k if drafter is not None else 0)  # checked above
 
     def _setup_caches(self, max_batch: int) -> None:
         """The models' caches for max_batch requests, then the probe (`checks.probe`), which also
@@ -218,6 +219,9 @@ class Decoder:
         rounds): the steps with K bound, compiled (lazily) once per K and kept, so switching back
         compiles nothing."""
         check_k(self.drafter, k)
+        self._use(k)
+
+    def _use(self, k: int | TreeShape) -> None:
         if k not in self._bound:
             self._bound[k] = self._bind(k)
         self._k = k
@@ -249,6 +253,9 @@ class Decoder:
                  eos_id: int | Sequence[int | Sequence[int]] | None = None, timing: bool = False, *,
                  temperature: float | Sequence[float] = 0.0, top_k: int | Sequence[int] | None = None,
                  top_p: float | Sequence[float] | None = None, seed: int | Sequence[int] | None = None,
+                 min_new_tokens: int | Sequence[int] = 0, repetition_penalty: float | Sequence[float] = 1.0,
+                 penalty_context: Sequence[Sequence[int]] | None = None, no_repeat_ngram_size: int = 0,
+                 ngram_context: Sequence[Sequence[int]] | None = None,
                  on_round: Callable[[State], None] | None = None) -> Output:
         """Decode each prompt; per-request `max_new_tokens`, `eos_id` and sampling parameters (a
         value for all or one per prompt). A request's `eos_id` may be several ids, any of which stops
@@ -259,6 +266,12 @@ class Decoder:
           (1: off), as plain sampling from the target would (specpass/sampling.py). Speculative
           sampling keeps that distribution exactly. seed: one int (each request gets its own
           stream of it) or one per request; the same seeds give the same tokens. None: a fresh one.
+        min_new_tokens, repetition_penalty, no_repeat_ngram_size: transformers' logits processors of
+          those names, applied to the target's logits at every position with the prefix plain
+          decoding would have there (processors.py): the same greedy tokens as plain decoding with
+          them, and the processed distribution when sampling. penalty_context, ngram_context: per
+          request, the ids the penalty and the n-gram ban read before the emitted ones (default:
+          the prompt; transformers reads its input_ids, a left-padded batch's padding included).
         timing=True also splits the round time into its steps (steps compiled apart): CUDA events
         (the host clock on CPU) after each step, read once at the end, so no sync is added.
         on_round(state): called after the prefill and after each round with its `State` (`out`,
@@ -266,9 +279,11 @@ class Decoder:
           to the host costs a sync a round (streaming does).
         """
         B = len(prompts)
-        prompts, limits, eos, params = self._request(prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed)
+        prompts, limits, eos, params, processing = self._request(
+            prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed,
+            (min_new_tokens, repetition_penalty, penalty_context, no_repeat_ngram_size, ngram_context))
         start = self.clock()
-        run = self._prefill(prompts, limits, eos, params)
+        run = self._prefill(prompts, limits, eos, params, processing)
         prefill_end = self.clock()
         if on_round is not None:
             on_round(run.state)
@@ -310,7 +325,10 @@ class Decoder:
     def start(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
               eos_id: int | Sequence[int | Sequence[int]] | None = None, *, temperature: float | Sequence[float] = 0.0,
               top_k: int | Sequence[int] | None = None, top_p: float | Sequence[float] | None = None,
-              seed: int | Sequence[int] | None = None, position: int | None = None) -> Run:
+              seed: int | Sequence[int] | None = None, min_new_tokens: int | Sequence[int] = 0,
+              repetition_penalty: float | Sequence[float] = 1.0, penalty_context: Sequence[Sequence[int]] | None = None,
+              no_repeat_ngram_size: int = 0, ngram_context: Sequence[Sequence[int]] | None = None,
+              position: int | None = None) -> Run:
         """The checks and the prefill of `generate` (the same arguments) -> the first round's `Run`;
         each request has emitted its first token.
 
@@ -319,10 +337,12 @@ class Decoder:
           shapes are static): what a benchmark of long contexts runs when the real prefill's logits
           would not fit. Every request must still fit max_len from there.
         """
-        prompts, limits, eos, params = self._request(prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed)
+        prompts, limits, eos, params, processing = self._request(
+            prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed,
+            (min_new_tokens, repetition_penalty, penalty_context, no_repeat_ngram_size, ngram_context))
         if position is not None:
             check_position(position, prompts, limits, self.max_len, self._k, self._bound[self._k].shape.cache_slots)
-        run = self._prefill(prompts, limits, eos, params)
+        run = self._prefill(prompts, limits, eos, params, processing)
         if position is None:
             return run
         return run._replace(state=run.state._replace(pos=torch.full_like(run.state.pos, position)))
@@ -379,29 +399,36 @@ class Decoder:
 
     def _request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  eos_id: int | Sequence[int | Sequence[int]] | None, temperature: Any, top_k: Any, top_p: Any,
-                 seed: Any) -> tuple[list[list[int]], list[int], list[list[int]], Params | None]:
-        """generate's arguments checked -> (prompts, budgets, EOS ids, sampling parameters or None)."""
+                 seed: Any, processors: tuple[Any, ...],
+                 ) -> tuple[list[list[int]], list[int], list[list[int]], Params | None, Processing | None]:
+        """generate's arguments checked -> (prompts, budgets, EOS ids, sampling parameters or None,
+        the logits processors or None)."""
         B = len(prompts)
         limits = per_request(max_new_tokens, B, "max_new_tokens", int, lambda v: v >= 1, ">= 1")
         eos = eos_ids(eos_id, B)
         if seed is None and self.ranks is not None:
             seed = self.ranks.shared_seed()  # not one fresh seed per rank
         prompts = self._check_prompts(prompts, limits, self._k)
+        min_new, penalty, penalty_context, ngram, ngram_context = check_processors(
+            *processors, prompts, self.vocab_size, self.max_len)
         params = Params.make(B, self._rows(B), self.device, temperature, top_k, top_p, seed)  # None: greedy
         if self.ranks is not None:
             sampling = -1 if params is None else checksum(*(t for t in params if t is not None))
             self.ranks.check_request({"prompts": fingerprint(prompts), "max_new_tokens": fingerprint(limits),
                                       "eos_id": fingerprint(eos), "sampling parameters": sampling,
+                                      "processors": fingerprint(processors),  # as given: contexts default None
                                       "K": fingerprint(self._k)})
         if B > self.max_batch:  # every rank grows alike: the prompts were checked equal
             self.reserve(max(B, 2 * self.max_batch))
-        return prompts, limits, eos, params
+        processing = Processing.make(self._rows(B), self.vocab_size, self.max_len, self.device, eos, min_new, penalty,
+                                     penalty_context, ngram, ngram_context)
+        return prompts, limits, eos, params, processing
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], limits: list[int], k: int) -> list[list[int]]:
         return check_prompts(prompts, limits, self.vocab_size, self.max_len, k, round_shape(self.drafter, k).cache_slots)
 
     def _prefill(self, prompts: list[list[int]], limits: list[int], eos: list[list[int]],
-                 params: Params | None) -> Run:
+                 params: Params | None, processing: Processing | None) -> Run:
         """The prompts, right-padded (and a batch of one with an idle row, `_rows`), through the
         compiled prefill; emits each request's first token. -> the first round's run."""
         B, device = self._rows(len(prompts)), self.device
@@ -412,7 +439,7 @@ class Decoder:
         tokens = torch.zeros(B, P + 1, dtype=torch.long, device=device)  # [B, P+1]: prompt, then x_n
         tokens[: len(prompts), :P] = right_padded(prompts, P).to(device)
         with self._batch.marking(B, self.max_batch, more=[(tokens, 1)]):  # one graph for every prompt length
-            first, carry = self._bound[self._k].prefill(tokens, lengths, params)
+            first, carry = self._bound[self._k].prefill(tokens, lengths, params, processing)
 
         limit = torch.tensor(limits + [0] * idle, device=device)
         E = max(1, *map(len, eos))
@@ -422,7 +449,8 @@ class Decoder:
         count = (limit > 0).long()
         state = State(last=first, pos=lengths, out=out, count=count, limit=limit, eos=eos_t,
                       done=(count >= limit) | (first[:, None] == eos_t).any(1),
-                      stats=torch.zeros(depth(self._k) + 1, dtype=torch.long, device=device))
+                      stats=torch.zeros(depth(self._k) + 1, dtype=torch.long, device=device),
+                      processing=after_emitting(processing, first[:, None], count[:, None] > 0))
         return Run(state, carry, params, self._k)
 
     def _timed_round(self, timer: PhaseTimer) -> Callable[[State, Carry, Params | None], tuple[State, Carry, Tensor]]:

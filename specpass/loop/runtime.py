@@ -261,7 +261,7 @@ class InPlaceRound:
 
     def _copied_in(self, state: Any, carry: Any) -> tuple[Any, Any]:
         leaves, spec = pytree.tree_flatten((state, carry))  # tensors, and None where a field is unused
-        key = tuple((t.shape, t.dtype) if isinstance(t, Tensor) else t for t in leaves)
+        key = (str(spec), tuple((t.shape, t.dtype) if isinstance(t, Tensor) else t for t in leaves))
         if key not in self.buffers:
             own = [torch.empty_like(t) if isinstance(t, Tensor) else t for t in leaves]
             for t in own:

@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from specpass.kernels.counter import key, uniform
+from specpass.loop.processors import Processing, after_emitting, processed
 from specpass.loop.protocols import Drafter, Target
 from specpass.sampling import (ACCEPT, DRAFT, TARGET, Params, accepts, draw, floor_of, gumbel_argmax, logprobs,
                                residual)
@@ -43,6 +44,7 @@ class State(NamedTuple):
     eos: Tensor  # [B, E] the request's EOS ids (any one stops it), -1 where it has fewer than E
     done: Tensor  # [B] bool
     stats: Tensor  # [K+1] int64: active request-rounds, then how many accepted draft i = 1..K
+    processing: Processing | None = None  # the logits processors that read the prefix (processors.py)
 
 
 class Proposal(NamedTuple):
@@ -67,7 +69,7 @@ class Steps(NamedTuple):
     forms. `params` (the last argument of draft, verify and catch-up) is None for greedy decoding."""
 
     draft: Callable[..., tuple[Tensor, Proposal | None]] | None  # (d1, q1, pos, h, params) -> d, q; None: plain
-    verify: Callable[..., tuple[Tensor, Tensor, Tensor | None]]  # (last, pos, d, q, params) -> y, a, hidden
+    verify: Callable[..., tuple[Tensor, Tensor, Tensor | None]]  # (state, d, q, params) -> y, a, hidden
     accept: Callable[[State, Tensor, Tensor], tuple[State, Tensor]]  # (state, y, a) -> state, done
     catch_up: Callable[..., tuple[Tensor, Proposal | None, Tensor]] | None  # (y, pos, hidden, a, params) -> d1, q1, h
 
@@ -101,18 +103,23 @@ def carried(d: Tensor, q: Proposal | None, pos: Tensor, h: Tensor | None,
     return d, q
 
 
-def verify(target: Target, hidden_kind: str | None, drafter: Drafter | None, last: Tensor,
-           pos: Tensor, d: Tensor, q: Proposal | None,
-           params: Params | None) -> tuple[Tensor, Tensor, Tensor | None]:
+def verify(target: Target, hidden_kind: str | None, drafter: Drafter | None, state: State, d: Tensor,
+           q: Proposal | None, params: Params | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The target on [x_n, d] at positions n..n+K -> (y [B, K+1]: d_1..d_a then the target's
     token y_a, the rest padding; a [B] drafts accepted; the hidden states the drafter reads
     [B, K+1, Hh], or None)."""
-    tokens = torch.cat([last[:, None], d], 1)  # [B, K+1]
-    positions = pos[:, None] + torch.arange(d.shape[1] + 1, device=d.device)  # [B, K+1]
+    pos = state.pos
+    tokens = torch.cat([state.last[:, None], d], 1)  # [B, K+1]
+    t = torch.arange(d.shape[1] + 1, device=d.device)
+    positions = pos[:, None] + t  # [B, K+1]
     if hidden_kind is None:
         logits, hidden = target(tokens, positions), None
     else:
         logits, hidden = target.forward_with_hidden(tokens, positions, hidden_kind)
+    if state.processing is not None:  # row j follows x_n and d_1..d_j
+        B = len(pos)
+        reads = (t[:, None] >= t[None, :]).expand(B, -1, -1)
+        logits = processed(state.processing, logits, state.count, tokens, t.expand(B, -1), reads)
     if params is None:
         y = logits.argmax(-1)
         return y, first_true(d != y[:, :-1]), hidden
@@ -160,6 +167,7 @@ def accept(state: State, y: Tensor, a: Tensor) -> tuple[State, Tensor]:
     is_eos = (y[:, :, None] == state.eos[:, None, :]).any(2) & emitting
     emitting &= t <= first_true(is_eos)[:, None]  # nothing after the first EOS
     emitting &= state.count[:, None] + t < state.limit[:, None]
+    processing = after_emitting(state.processing, y, emitting)
     # y_t goes to column count + t; columns past count + emitted are scratch: the next round (or
     # nothing) overwrites them. A select, pointwise for Inductor: a scatter ran as ATen's kernel
     # after a copy of out (a profile of a plain step).
@@ -175,7 +183,7 @@ def accept(state: State, y: Tensor, a: Tensor) -> tuple[State, Tensor]:
     last = torch.where(active, y.gather(1, a[:, None])[:, 0], state.last)
     # State(...) spelled out: torch 2.11's Dynamo rebuilds NamedTuple._replace as an empty tuple.
     state = State(last=last, pos=pos, out=out, count=count, limit=state.limit, eos=state.eos, done=done,
-                  stats=stats)
+                  stats=stats, processing=processing)
     return state, done.all()  # all done: what the host reads each round
 
 
@@ -194,7 +202,7 @@ def decode_round(steps: Steps, state: State, carry: Carry,
     pos = state.pos
     # Plain decoding verifies no drafts: an empty [B, 0] block.
     d, q = steps.draft(*carry[:2], pos, carry.h, params) if steps.draft is not None else (pos[:, None][:, :0], None)
-    y, a, hidden = steps.verify(state.last, pos, d, q, params)
+    y, a, hidden = steps.verify(state, d, q, params)
     state, finished = steps.accept(state, y, a)
     if steps.catch_up is not None:
         carry = Carry(*steps.catch_up(y, pos, hidden, a, params))
@@ -213,7 +221,7 @@ def decode_round_in_place(steps: Steps, state: State, carry: Carry, params: Para
 
 
 def prefill_step(target: Target, hidden_kind: str | None, catch_up: Callable[..., Carry] | None, tokens: Tensor,
-                 lengths: Tensor, params: Params | None) -> tuple[Tensor, Carry]:
+                 lengths: Tensor, params: Params | None, processing: Processing | None) -> tuple[Tensor, Carry]:
     """Right-padded prompts tokens [B, P+1] (column P is room for x_n) of lengths [B] through the
     target, then the drafter's half of the prefill, `catch_up` (the round shape's; None: plain
     decoding) -> (x_n [B], the first token of each request, at position n = length; the carry of
@@ -230,6 +238,9 @@ def prefill_step(target: Target, hidden_kind: str | None, catch_up: Callable[...
     else:
         logits, hidden = target.forward_with_hidden(tokens[:, :P], positions[:, :P], hidden_kind)
     last = logits[torch.arange(B, device=tokens.device), lengths - 1]  # [B, V]
+    if processing is not None:  # the first token: none emitted before it, its prefix the prompt
+        none = torch.zeros(B, 1, dtype=torch.long, device=tokens.device)
+        last = processed(processing, last[:, None], none[:, 0], none, none, none[..., None].bool())[:, 0]
     if params is None:
         first = last.argmax(-1)
     else:

@@ -29,8 +29,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from specpass.loop.processors import processed
 from specpass.loop.protocols import TreeDrafter, TreeTarget, require
-from specpass.loop.steps import Carry, Steps, accept
+from specpass.loop.steps import Carry, State, Steps, accept
 from specpass.loop.tree_math import Tree, accept_greedy, accept_sampled, draft_tree, expand
 from specpass.sampling import Params
 
@@ -107,17 +108,20 @@ def draft(drafter: TreeDrafter, shape: TreeShape, slots: int, f0: tuple[Tensor, 
                       drafter.to_target), None
 
 
-def verify(target: TreeTarget, hidden_kind: str | None, shape: TreeShape, slots: int, last: Tensor, pos: Tensor,
-           tree: Tree, q: None, params: Params | None) -> tuple[Tensor, Tensor, Tensor | None]:
+def verify(target: TreeTarget, hidden_kind: str | None, shape: TreeShape, slots: int, state: State, tree: Tree,
+           q: None, params: Params | None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The target on the tree's N nodes -> (y [B, steps+1] the path's tokens then the target's,
     a [B] nodes accepted past the root, the target's hidden states along the path [B, steps+1, Hh]);
     the path's K/V moved to slots n..n+a."""
+    pos = state.pos
     N, steps, dev = shape.tokens, shape.steps, pos.device
-    tokens = torch.cat([last[:, None], tree.tokens[:, 1:]], 1)  # [B, N] the root is x_n
+    tokens = torch.cat([state.last[:, None], tree.tokens[:, 1:]], 1)  # [B, N] the root is x_n
     tree = Tree(tokens, tree.parents, tree.depth, tree.mask)
     at = pos[:, None] + torch.arange(N, device=dev)  # [B, N] node i's slot
     mask = tree_mask(pos - 1, pos, tree.mask, slots)
     logits, hidden = target.forward_tree(tokens, pos[:, None] + tree.depth, at, mask, hidden_kind)
+    # A node follows its ancestors (a processor reads that prefix).
+    logits = processed(state.processing, logits, state.count, tokens, tree.depth, tree.mask)
     path = (accept_greedy(tree, logits.argmax(-1), steps) if params is None
             else accept_sampled(tree, logits, params, pos, steps))
     along = path.path.clamp_min(0)  # [B, steps+1] past a: the root, copied into scratch

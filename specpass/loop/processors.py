@@ -1,0 +1,146 @@
+"""transformers' logits processors that read the prefix, in tensor form, inside the compiled steps.
+
+A processor changes the target's logits before a token is chosen from them (greedy or drawn), and
+what it does depends on the tokens before that position. Under speculation one verify scores
+several positions at once: row j of a chain's verify follows x_n and the drafts d_1..d_j, a tree's
+node follows its ancestors. Each row is processed with the prefix plain decoding would have had
+there (the emitted tokens, then the drafts on the way to it), so the token chosen at every
+accepted position is the one plain decoding with the same processors chooses: greedy tokens equal
+`model.generate`'s, and speculative sampling keeps the processed distribution (drafts are drawn
+unprocessed; the acceptance corrects for it, as for any draft distribution).
+
+    min_new_tokens        an EOS id is not chosen while fewer than min_new tokens were emitted
+    repetition_penalty    a logit of a token in the prefix (`penalty_context`, then the emitted
+                          tokens) is divided by the penalty, or multiplied where negative
+    no_repeat_ngram_size  a token that would complete an n-gram already in the prefix
+                          (`ngram_context`, then the emitted tokens) is not chosen
+
+The contexts are what transformers reads before the new tokens: its input_ids (a left-padded
+batch's padding included, except where a processor leaves it out). Processing runs on the fp32
+logits (transformers casts them before its processors). A Decoder that processes nothing carries
+`State.processing = None`: its graphs hold none of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class Processing(NamedTuple):
+    """Per-request processors on the device; a field is None where no request uses it (no graph)."""
+
+    min_new: Tensor | None  # [B] int64: no EOS before this many tokens are emitted
+    eos: Tensor | None  # [B, V] bool: the EOS ids min_new holds back
+    penalty: Tensor | None  # [B] fp32 repetition penalty (1: off)
+    seen: Tensor | None  # [B, V] bool: the tokens the penalty reads (its context, then each emitted token)
+    ngram: int | None  # no_repeat_ngram_size, one for the batch
+    history: Tensor | None  # [B, W] int64: the n-gram context, then the emitted tokens; past `length` scratch
+    length: Tensor | None  # [B] int64: tokens in `history`
+
+    @staticmethod
+    def make(rows: int, vocab: int, width: int, device: torch.device, eos: list[list[int]], min_new: Sequence[int],
+             penalty: Sequence[float], penalty_context: Sequence[Sequence[int]], ngram: int,
+             ngram_context: Sequence[Sequence[int]]) -> "Processing | None":
+        """Per request (padded to `rows` with idle rows): its EOS ids, min_new_tokens, repetition
+        penalty and what it reads before the emitted tokens; the n-gram size for all and what it
+        reads, in `width` columns of history. None when no request processes anything."""
+        holds = any(m > 0 and ids for m, ids in zip(min_new, eos))
+        penalizes = any(p != 1.0 for p in penalty)
+        if not (holds or penalizes or ngram):
+            return None
+        idle = rows - len(eos)
+        held = seen = history = None
+        if holds:
+            held = torch.zeros(rows, vocab, dtype=torch.bool)
+            for b, ids in enumerate(eos):
+                held[b, ids] = True
+        if penalizes:
+            seen = torch.zeros(rows, vocab, dtype=torch.bool)
+            for b, ids in enumerate(penalty_context):
+                seen[b, list(ids)] = True
+        if ngram:
+            history = torch.zeros(rows, width, dtype=torch.long)
+            for b, ids in enumerate(ngram_context):
+                history[b, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+        lengths = [len(ids) for ids in ngram_context] + [0] * idle if ngram else None
+        return Processing(
+            min_new=torch.tensor(list(min_new) + [0] * idle, device=device) if holds else None,
+            eos=held.to(device) if holds else None,
+            penalty=(torch.tensor(list(penalty) + [1.0] * idle, dtype=torch.float32, device=device)
+                     if penalizes else None),
+            seen=seen.to(device) if penalizes else None,
+            ngram=ngram or None,
+            history=history.to(device) if ngram else None,
+            length=torch.tensor(lengths, device=device) if ngram else None)
+
+
+def processed(processing: Processing | None, logits: Tensor, count: Tensor, tokens: Tensor, depth: Tensor,
+              reads: Tensor) -> Tensor:
+    """The logits [B, N, V] of a verify's N rows, processed; row j follows tokens[:, j].
+
+    count [B]: tokens emitted before the verify; tokens [B, N]: x_n, then the drafts; depth [B, N]:
+    each token's drafts from x_n (a chain: j; a tree: its node's depth); reads [B, N, N] bool: row j's
+    prefix holds tokens[:, i] (a chain: i <= j; a tree: i an ancestor of j or j)."""
+    if processing is None:
+        return logits
+    logits = logits.float()
+    B, N, V = logits.shape
+    if processing.penalty is not None:
+        hits = torch.zeros(B, N, V, dtype=torch.int32, device=logits.device)
+        hits = hits.scatter_add(2, tokens[:, None, :].expand(B, N, N), reads.int())
+        present = processing.seen[:, None, :] | (hits > 0)  # [B, N, V]
+        penalty = processing.penalty[:, None, None]
+        logits = torch.where(present, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+    if processing.ngram is not None:
+        logits = logits.masked_fill(_repeating(processing, V, tokens, depth, reads), float("-inf"))
+    if processing.min_new is not None:
+        holding = count[:, None] + depth < processing.min_new[:, None]  # [B, N]
+        logits = logits.masked_fill(holding[..., None] & processing.eos[:, None, :], float("-inf"))
+    return logits
+
+
+def _repeating(processing: Processing, vocab: int, tokens: Tensor, depth: Tensor, reads: Tensor) -> Tensor:
+    """[B, N, V] bool: the tokens that would complete, after row j's prefix (the history, then the
+    drafts on the way to j in depth order), an n-gram already in that prefix. transformers'
+    NoRepeatNGramLogitsProcessor: the last n-1 tokens matched against every window of the prefix,
+    a matching window banning the token after it; nothing under n tokens."""
+    n, history, length = processing.ngram, processing.history, processing.length
+    B, N = tokens.shape
+    W = history.shape[1]
+    # Row j's prefix in columns: the history, then draft i at length + depth_i - 1 where j reads it
+    # (x_n, depth 0, is the history's last token); the rest goes to a spare last column.
+    ext = torch.cat([history, history.new_zeros(B, N + 1)], 1)[:, None, :].expand(B, N, W + N + 1)
+    at = torch.where(reads & (depth[:, None, :] > 0), length[:, None, None] + depth[:, None, :] - 1, W + N)
+    ext = ext.scatter(2, at, tokens[:, None, :].expand(B, N, N))
+    size = length[:, None] + depth  # [B, N] each row's prefix length
+    windows = ext.unfold(2, n, 1)  # [B, N, S, n]
+    start = torch.arange(windows.shape[2], device=tokens.device)
+    suffix = ext.gather(2, (size[..., None] - (n - 1) + torch.arange(n - 1, device=tokens.device)).clamp(min=0))
+    matches = (windows[..., :-1] == suffix[:, :, None, :]).all(-1)  # [B, N, S]
+    matches &= (start + n - 1 < size[..., None]) & (size[..., None] >= n)
+    banned = torch.zeros(B, N, vocab + 1, dtype=torch.bool, device=tokens.device)
+    banned = banned.scatter(2, torch.where(matches, windows[..., -1].clamp(max=vocab), vocab), True)
+    return banned[..., :vocab]
+
+
+def after_emitting(processing: Processing | None, y: Tensor, emitting: Tensor) -> Processing | None:
+    """The processing after a round emits y [B, T] where `emitting` [B, T] (a prefix of each row):
+    the penalty has seen them, the n-gram history ends with them."""
+    if processing is None or (processing.seen is None and processing.history is None):
+        return processing
+    seen, history, length = processing.seen, processing.history, processing.length
+    if seen is not None:
+        hits = torch.zeros(seen.shape, dtype=torch.int32, device=y.device).scatter_add(1, y, emitting.int())
+        seen = seen | (hits > 0)
+    if history is not None:
+        T = y.shape[1]
+        col = torch.arange(history.shape[1], device=y.device) - length[:, None]  # [B, W]
+        inside = (col >= 0) & (col < T)
+        took = emitting.gather(1, col.clamp(0, T - 1)) & inside
+        history = torch.where(took, y.gather(1, col.clamp(0, T - 1)), history)
+        length = length + emitting.sum(1)
+    return Processing(processing.min_new, processing.eos, processing.penalty, seen, processing.ngram, history, length)
