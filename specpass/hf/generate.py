@@ -351,7 +351,12 @@ def _in_order(*calls: Callable[[State], None] | None) -> Callable[[State], None]
     calls = [call for call in calls if call is not None]
     if len(calls) <= 1:
         return calls[0] if calls else None
-    return lambda state: [call(state) for call in calls] and None
+
+    def on_round(state: State) -> None:
+        for call in calls:
+            call(state)
+
+    return on_round
 
 
 # Fields of a generation config that change no token of a call specpass runs: what is returned,

@@ -6,6 +6,7 @@ seen it yet; the drafter has, and holds its guess d_1 for position n+1):
 
     draft     d_1..d_K: the shape's draft step (chain: K-1 draft steps)                  [B, K]
     verify    the target on [x_n, d_1..d_K] at positions n..n+K -> y_0..y_K, a         [B, K+1]
+              (its logits processed first where the call asks: processors.py)
               greedy: y = its arg-maxes, a = the longest prefix with d_{i+1} == y_i; sampled:
               draft i kept with probability min(1, p_i(d_i) / q_i(d_i)), a = the first rejected,
               y_a drawn from norm(max(0, p_a - q_a)) (p_K: the bonus) (`judge`, specpass/sampling.py)
