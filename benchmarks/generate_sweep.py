@@ -212,7 +212,7 @@ def sharded(archs: dict[str, str], args: argparse.Namespace) -> dict:
     seconds with `args.balance`): their rows merged in `archs`' order, pass by pass. Each process
     writes its own rows beside `args.out` as it goes: a run cut off (`args.deadline`) keeps them and
     names the types it did not reach."""
-    shares = deal(list(archs), args.shards, getattr(args, "balance", None))
+    shares = deal(list(archs), args.shards, args.balance)
     where = args.out.parent if args.out else Path(tempfile.mkdtemp())
     stem = args.out.stem if args.out else "generate_sweep"
     outs = [where / f"{stem}.shard{i}.json" for i in range(len(shares))]
@@ -220,7 +220,7 @@ def sharded(archs: dict[str, str], args: argparse.Namespace) -> dict:
                                "--repeat", str(args.repeat), "--handoff", args.handoff, "--fused", args.fused,
                                "--device", args.device, "--out", str(out)], stdout=subprocess.DEVNULL)
              for share, out in zip(shares, outs) if share]
-    deadline = getattr(args, "deadline", None)
+    deadline = args.deadline
     end = None if deadline is None else time.monotonic() + deadline
     codes = []
     for proc in procs:

@@ -174,11 +174,10 @@ class Bench:
             base, _, suffix = name.partition("+")
             if base in others and not suffix:
                 return others[base]()
-            if base not in loops or suffix not in ("", "guards", *flips) and not (
-                    suffix == "penalty" and base.startswith("specpass/")):
-                return None
-            if suffix == "penalty":  # transformers' repetition penalty, processed inside the round
+            if suffix == "penalty" and base.startswith("specpass/"):  # processed inside the round
                 return loops[base](self.compile, repetition_penalty=PENALTY)
+            if base not in loops or suffix not in ("", "guards", *flips):
+                return None
             if suffix in flips:  # the loop compiled with that specpass switch flipped (on CPU: as without)
                 return loops[base](specpass.backend(**flips[suffix]) if self.compile == "specpass" else self.compile)
             run = loops[base](self.compile)

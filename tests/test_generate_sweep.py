@@ -50,7 +50,7 @@ def test_shards_run_side_by_side_and_merge_in_the_sweep_s_order(tmp_path):
     names = ["xlnet", "prophetnet", "longcat_flash"]  # no sequence limit; no num_hidden_layers; too large
     archs = {name: architectures()[name] for name in names}
     args = argparse.Namespace(shards=2, repeat=1, handoff="eager", fused="apart", device="cpu",
-                              out=tmp_path / "sweep.json")
+                              out=tmp_path / "sweep.json", balance=None, deadline=None)
     result = sharded(archs, args)
     assert [row["model_type"] for row in result["rows"]] == names
     assert [outcome(row) for row in result["rows"]] == ["not built"] * 3, result["rows"]

@@ -80,6 +80,8 @@ def test_generation_config_s_processors_are_read(pair):
     model, draft = pair
     config = model.generation_config.__class__(repetition_penalty=1.3, min_new_tokens=4, eos_token_id=5)
     want = model.generate(IDS, attention_mask=MASK, max_new_tokens=NEW, generation_config=config)
+    assert not torch.equal(want, model.generate(IDS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False,
+                                                eos_token_id=5))  # the config's processors change the tokens
     got = specpass.generate(model, IDS, attention_mask=MASK, assistant_model=draft, max_new_tokens=NEW,
                             generation_config=config, compile="eager")
     assert torch.equal(got, want)

@@ -36,7 +36,8 @@ from specpass.tensor_parallel import follow, localize, shard
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
 # Applied inside the round (loop/processors.py)
 PROCESSORS = ("min_new_tokens", "min_length", "repetition_penalty", "no_repeat_ngram_size")
-CONFIGS = type("FromGenerationConfig", (), {"__repr__": lambda self: "<the generation config's>"})()  # an unset default
+# eos_token_id's default: the generation config's (an explicit None is no EOS, as in model.generate)
+FROM_CONFIG = type("FromGenerationConfig", (), {"__repr__": lambda self: "<the generation config's>"})()
 # The requests a new Decoder's caches hold: later calls of up to as many reuse its compiled steps;
 # more grow the caches (to twice as many rows at least), which compiles the steps again.
 ROWS = 8
@@ -114,7 +115,7 @@ class DecoderCache:
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attention_mask: Tensor | None = None,
              assistant_model: Any = None, num_assistant_tokens: int | TreeShape = 4,
-             eos_token_id: int | list[int] | None = CONFIGS, pad_token_id: int | None = None,
+             eos_token_id: int | list[int] | None = FROM_CONFIG, pad_token_id: int | None = None,
              do_sample: bool | None = None, generation_config: Any = None,
              tokenizer: Any = None, assistant_tokenizer: Any = None, compile: str | Callable = "specpass",
              mode: str | None = None, fused_round: bool | None = None, cache_len: int | None = None,
@@ -180,7 +181,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     pad = next((p for p in (pad_token_id, config.pad_token_id, *eos[:1]) if p is not None), None)
     processors = {name: sampling.pop(name) for name in PROCESSORS if name in sampling}
     options = _sampling(config, do_sample if do_sample is not None else bool(config.do_sample), sampling)
-    options |= _processors(config, processors, input_ids, prompts, eos)
+    options |= _processors(config, processors, input_ids, prompts)
 
     drafter = HFDrafter(assistant_model) if standalone else assistant_model
     need = round_shape(drafter, k).cache_slots(max(map(len, prompts)), max_new_tokens, k)
@@ -390,7 +391,7 @@ def _generation_config(model: nn.Module, given: Any) -> Any:
 def _eos(config: Any, eos_token_id: Any) -> list[int]:
     """The EOS ids, any of which stops a request (transformers': the argument, None included, else
     the generation config's; an int or a list)."""
-    eos = eos_token_id if eos_token_id is not CONFIGS else config.eos_token_id
+    eos = eos_token_id if eos_token_id is not FROM_CONFIG else config.eos_token_id
     if eos is None:
         return []
     ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
@@ -420,20 +421,20 @@ def _sampling(config: Any, do_sample: bool, sampling: dict[str, Any]) -> dict[st
     return {name: value for name, value in {**chosen, "seed": sampling.get("seed")}.items() if value is not None}
 
 
-def _processors(config: Any, given: dict[str, Any], input_ids: Tensor, prompts: list[list[int]],
-                eos: list[int]) -> dict[str, Any]:
+def _processors(config: Any, given: dict[str, Any], input_ids: Tensor, prompts: list[list[int]]) -> dict[str, Any]:
     """The logits processors `model.generate` would add for these options (the argument, else the
-    generation config's), as `Decoder.generate` takes them: min_length counts the padded prompt's
-    columns (input_ids' width), min_new_tokens the new tokens only; the repetition penalty reads the
-    prompt, its left padding too where the installed transformers does."""
+    generation config's), as `Decoder.generate` takes them (and checks them): min_length counts the
+    padded prompt's columns (input_ids' width), min_new_tokens the new tokens only; the repetition
+    penalty reads the prompt, its left padding too where the installed transformers does."""
     chosen = {name: given[name] if given.get(name) is not None else getattr(config, name, None) for name in PROCESSORS}
-    for name in ("min_new_tokens", "min_length", "no_repeat_ngram_size"):
-        value = chosen[name]
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     options: dict[str, Any] = {}
-    min_new = max(chosen["min_new_tokens"] or 0, (chosen["min_length"] or 0) - input_ids.shape[1])
-    if min_new > 0 and eos:
+    min_new, min_length = chosen["min_new_tokens"] or 0, chosen["min_length"] or 0
+    if min_length:  # the one option Decoder.generate does not take: checked here
+        if not isinstance(min_length, int) or isinstance(min_length, bool) or min_length < 0:
+            raise ValueError(f"min_length must be an int >= 0, got {min_length!r}")
+        if isinstance(min_new, int):  # else Decoder.generate names it
+            min_new = max(min_new, min_length - input_ids.shape[1])
+    if min_new:
         options["min_new_tokens"] = min_new
     penalty = chosen["repetition_penalty"]
     if penalty is not None and penalty != 1.0:
