@@ -9,6 +9,7 @@ signals to trace again (`RestartAnalysis`: a float it must specialize) are Dynam
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 from collections import Counter
 import logging
@@ -304,24 +305,31 @@ def _log_to_stderr_if_asked() -> None:
         log.setLevel(logging.INFO)
 
 
-_collectors: list[list[tuple[str, Report]]] = []
+# Per context (a thread's own, and what a job on the compile worker copies from its caller).
+_collectors: contextvars.ContextVar[tuple[list[tuple[str, Report]], ...]] = contextvars.ContextVar(
+    "specpass_report_collectors", default=())
 
 
 @contextlib.contextmanager
-def collecting_reports() -> Iterator[list[tuple[str, Report]]]:
+def collecting_reports(alone: bool = False) -> Iterator[list[tuple[str, Report]]]:
     """(step name, report) of every graph compiled in the block, and of every saved step loaded
-    (`specpass.loop.saved_steps` logs the reports it saved): what `return_dict_in_generate` returns."""
+    (`specpass.loop.saved_steps` logs the reports it saved): what `return_dict_in_generate` returns.
+    alone: the enclosing blocks do not get them."""
     collected: list[tuple[str, Report]] = []
-    _collectors.append(collected)
+    token = _collectors.set((collected,) if alone else (*_collectors.get(), collected))
     try:
         yield collected
     finally:
-        _collectors[:] = [c for c in _collectors if c is not collected]  # not remove(): equal lists are not it
+        _collectors.reset(token)
 
 
-def log_report(report: Report, step: str = "") -> None:
-    for collected in _collectors:
+def log_report(report: Report, step: str = "", logged: bool = False) -> None:
+    """report to every collector, and to the log. logged: it was logged where it was made (on the
+    compile worker): collected only."""
+    for collected in _collectors.get():
         collected.append((step, report))
+    if logged:
+        return
     _log_to_stderr_if_asked()
     if log.isEnabledFor(logging.INFO):
         # formatted here, where the backend catches a failure, not in a handler; the Report itself

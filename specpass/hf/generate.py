@@ -121,7 +121,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
              mode: str | None = None, fused_round: bool | None = None, cache_len: int | None = None,
              max_batch: int | None = None, return_dict_in_generate: bool = False,
              decoder_cache: DecoderCache | None = None, exact: bool = False, streamer: Any = None,
-             **sampling: Any) -> Tensor | GenerateOutput:
+             background_compile: bool = False, **sampling: Any) -> Tensor | GenerateOutput:
     """Lossless speculative decoding of `model`, greedy or sampled; see docs/hf.md.
 
     assistant_model: None (plain decoding, compiled the same way), a transformers causal LM with the
@@ -158,6 +158,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
       which keeps 4; a `DecoderCache` of your own, or `DecoderCache(keep=0)` to keep none).
     exact: exact mode (`Decoder`'s): the model's logits bit for bit those of plain decoding in exact
       mode, whatever the assistant and the batch; needs compile="specpass" and one process.
+    background_compile: decode at once with the steps uncompiled while they compile on a worker
+      thread, and switch to them between rounds as they land (`Decoder`'s; not with exact mode).
     sampling (with do_sample=True): `temperature`, `top_k`, `top_p` (default: the model's
       generation_config's, as `generate`), `seed` (the same seed gives the same tokens).
     """
@@ -191,7 +193,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     if max_batch is not None:
         check_cache_size("max_batch", max_batch)
     cache = decoder_cache if decoder_cache is not None else generate.cache
-    config = (id(model), id(assistant_model), k, compile, mode, fused_round, exact)  # any batch size: one Decoder
+    config = (id(model), id(assistant_model), k, compile, mode, fused_round, exact, background_compile)  # any B
     slots = cache_len or cache._slots(config, need) or _new_slots(need, (model, assistant_model))
     if isinstance(k, TreeShape):
         check_tree(model, "model", k.steps, slots)
@@ -207,7 +209,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
         target, group = localize(model) if any(isinstance(p, DTensor) for p in model.parameters()) else (model, None)
         held = _drafter_at_tp(drafter, model, target, group) if group is not None else drafter
         return Decoder(HFTarget(target), held, k=k, max_batch=max(len(prompts), max_batch or ROWS), max_len=slots,
-                       compile=backend, mode=mode, fused_round=fused_round, group=group, exact=exact), _Recorder()
+                       compile=backend, mode=mode, fused_round=fused_round, group=group, exact=exact,
+                       background_compile=background_compile), _Recorder()
 
     decoder, recorder, _ = cache._get((config, slots), (model, assistant_model), build)
     if max_batch is not None:

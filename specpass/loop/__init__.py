@@ -13,6 +13,7 @@
     choose.py     the choice among drafters: choose_drafter, tune_k on a Decoder per drafter
     runtime.py    compiling and running the steps: own code objects, guards, CUDA-graph clones, timers
     saved_steps.py  the compiled steps saved to disk and loaded by later processes without compiling
+    background.py the compile worker: steps compiled off the calling thread while the loop decodes
     tuning.py     Decoder.tune_k: each K (a tree, plain decoding) timed, priced, the best chosen
     checks.py     what Decoder is given, checked
     distributed.py  tensor parallel: the ranks' agreement checked, and the group's teardown

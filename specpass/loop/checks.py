@@ -75,6 +75,20 @@ def check_exact(exact: Any, compile: Any, compile_prefill: Any, group: Any, devi
                          "rows per step change; run exact mode on one process")
 
 
+def check_background(background_compile: Any, exact: bool, group: Any) -> None:
+    """background_compile=True: its uncompiled rounds give the compiled rounds' tokens only where the
+    sums need not be bit for bit the compiled ones, and every rank switches alike."""
+    if not isinstance(background_compile, bool):
+        raise ValueError(f"background_compile must be True or False, got {background_compile!r}")
+    if background_compile and exact:
+        raise ValueError("background_compile=True with exact=True is not supported: the uncompiled steps that run "
+                         "until the compile lands add in ATen's orders, not exact mode's; drop one of them")
+    if background_compile and group is not None:
+        raise ValueError("background_compile=True with group= (tensor parallel) is not supported: each rank's "
+                         "compile lands at its own round, and the ranks' logits would differ in between; "
+                         "compile in the foreground")
+
+
 def check_ranks_option(group: Any, check_ranks: Any) -> None:
     if not isinstance(check_ranks, bool):
         raise ValueError(f"check_ranks must be True or False, got {check_ranks!r}")

@@ -29,10 +29,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from specpass.loop import runtime, tuning
-from specpass.loop.checks import (check_cache_size, check_exact, check_k, check_models, check_options, check_position,
-                                  check_processors, check_prompts, check_ranks_option, check_sampling, check_timing,
-                                  device_of, is_int, probe)
+from specpass.loop import background, runtime, tuning
+from specpass.loop.checks import (check_background, check_cache_size, check_exact, check_k, check_models,
+                                  check_options, check_position, check_processors, check_prompts, check_ranks_option,
+                                  check_sampling, check_timing, device_of, is_int, probe)
 from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
 from specpass.loop.processors import Processing, after_emitting
 from specpass.loop.protocols import Drafter, Target
@@ -132,6 +132,12 @@ class Decoder:
       with it (specpass's exact pass: passes/exact.py), so plain and speculative decoding give the
       target's logits bit for bit alike, at every batch size: the same greedy tokens, and sampling
       from the same distributions. Needs compile="specpass" (or a specpass backend) and one process.
+    background_compile: the steps compile on a worker thread (loop/background.py) while the call
+      decodes with them uncompiled, and each step switches to its compiled form between rounds once
+      it lands: tokens from the first moment, by the same functions on the same state (the same
+      greedy tokens and distributions; in bf16 the uncompiled kernels round otherwise, as every
+      two kernels may). specpass's backend or Inductor; not with exact mode or a group.
+      `dec.wait_compiled()` waits for them.
 
     Decoding, and its parts for benchmarks (every one the same code `generate` runs):
       dec.generate(prompts, max_new_tokens, ...) -> Output     the whole loop, metrics included
@@ -143,6 +149,7 @@ class Decoder:
                                    request there (a benchmark of long contexts without their prefill)
       run = dec.rounds(run, n)     n rounds, no host sync, as generate runs them
       dec.clock()                  seconds, once the device has finished what was queued
+      dec.wait_compiled()          until the steps compiling in the background have landed
       ms, acceptance = dec.round_ms(prompts, short, long, repeats)   the current K's ms per round
       dec.tune_k(prompts, ks, ..., on_timed=None)   choose K by timing it (`KChoice`); on_timed(k, ms) per K timed
       dec.steps                    the current K's steps, uncompiled (`specpass.explain(dec.steps.catch_up, ...)`)
@@ -152,12 +159,13 @@ class Decoder:
                  max_len: int, compile: str | Callable = "specpass", mode: str | None = None,
                  fused_round: bool = False, greedy_drafts: bool = False, compile_prefill: bool = True,
                  skip_guards: bool = True, group: Any = None, check_ranks: bool = False, regional: bool = True,
-                 exact: bool = False):
+                 exact: bool = False, background_compile: bool = False):
         check_models(target, drafter)
         check_k(drafter, k if drafter is not None else 0)  # before any cache is allocated (`use_k` below)
         check_options(max_batch, max_len, compile, compile_prefill, skip_guards, regional)
         check_ranks_option(group, check_ranks)
         check_exact(exact, compile, compile_prefill, group, device_of(target))
+        check_background(background_compile, exact, group)
         compile = exact_backend(compile) if exact else compile
         self.target, self.drafter = target, drafter
         self.max_batch, self.max_len = max_batch, max_len
@@ -176,8 +184,11 @@ class Decoder:
         self._hidden_kind = drafter.hidden_kind if drafter is not None else None
         self._batch = SymbolicBatch()
         saved = self.ranks is None  # sharded steps compile in each process
-        self._wrap = compiler(compile, mode, self._batch, saved)
-        self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, self._batch, saved)
+        self.background_compile = background_compile
+        self._wrap = compiler(compile, mode, self._batch, saved, background_compile)
+        # In the background the rounds compile first: an uncompiled prefill costs about what a compiled one does.
+        self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, self._batch, saved,
+                                      background_compile, priority=1)
         self._bound: dict[int, Bound] = {}  # K -> its steps and compiled forms (`use_k` switches K)
         self._use(k if drafter is not None else 0)  # checked above
 
@@ -282,27 +293,31 @@ class Decoder:
         prompts, limits, eos, params, processing = self._request(
             prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed,
             (min_new_tokens, repetition_penalty, penalty_context, no_repeat_ngram_size, ngram_context))
-        start = self.clock()
-        run = self._prefill(prompts, limits, eos, params, processing)
-        prefill_end = self.clock()
-        if on_round is not None:
-            on_round(run.state)
+        with contextlib.ExitStack() as held:  # round 1's compile queued before the prefill's (`background`)
+            if self.background_compile:
+                held.enter_context(background.worker.holding())
+            start = self.clock()
+            run = self._prefill(prompts, limits, eos, params, processing)
+            prefill_end = self.clock()
+            if on_round is not None:
+                on_round(run.state)
 
-        timer = PhaseTimer(self.device) if timing and not self.fused_round else None
-        run_round = self._bound[self._k].round if timer is None else self._timed_round(timer)
-        rounds, flags, state = 0, DoneFlags(self.device), run.state
-        most = max(limits) - 1  # a round emits a token or more for every request still running
-        check = self._round_check()
-        with contextlib.closing(self._replay(run_round, run, check)) as replay:
-            for state, _, finished in replay:
-                rounds += 1
-                if on_round is not None:
-                    on_round(state)
-                if rounds >= most:  # every budget spent: no flag to wait for, no round past the last
-                    break
-                if flags.push(finished):  # the round's one host sync
-                    rounds -= flags.lag  # a round run after all were done emitted nothing
-                    break
+            timer = PhaseTimer(self.device) if timing and not self.fused_round else None
+            run_round = self._bound[self._k].round if timer is None else self._timed_round(timer)
+            rounds, flags, state = 0, DoneFlags(self.device), run.state
+            most = max(limits) - 1  # a round emits a token or more for every request still running
+            check = self._round_check()
+            with contextlib.closing(self._replay(run_round, run, check)) as replay:
+                for state, _, finished in replay:
+                    held.close()
+                    rounds += 1
+                    if on_round is not None:
+                        on_round(state)
+                    if rounds >= most:  # every budget spent: no flag to wait for, no round past the last
+                        break
+                    if flags.push(finished):  # the round's one host sync
+                        rounds -= flags.lag  # a round run after all were done emitted nothing
+                        break
         loop_end = time.perf_counter()
         end = self.clock()
         if check is not None:
@@ -370,6 +385,11 @@ class Decoder:
         """Seconds (time.perf_counter), after the device has finished what was queued."""
         return clock(self.device)
 
+    def wait_compiled(self) -> None:
+        """Until every step compiling in the background (`background_compile`) has landed; each
+        switches to its compiled form at its next call."""
+        background.worker.wait()
+
     def round_ms(self, prompts: Sequence[Sequence[int]], short: int, long: int,
                  repeats: int = 3, sampling: Mapping[str, Any] | None = None) -> tuple[float, list[float]]:
         """The current K's ms per round on `prompts` (a batch of their number, as `generate` runs
@@ -387,6 +407,9 @@ class Decoder:
         check_timing(short, long, repeats)
         sampling = check_sampling(sampling)
         self.generate(prompts, short, **sampling)  # compiles; on a GPU, records the CUDA graphs
+        if self.background_compile:  # that call ran uncompiled steps: once more compiled
+            self.wait_compiled()
+            self.generate(prompts, short, **sampling)
         samples = []
         for _ in range(repeats):
             a, b = (self.generate(prompts, n, **sampling).metrics for n in (short, long))

@@ -25,18 +25,21 @@ from specpass.report import Report
 COMPILERS = ("specpass", "inductor", "eager")
 
 
-def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
-             saved: bool = True) -> Callable[[Callable, str], Callable]:
+def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch, saved: bool = True,
+             background: bool = False, priority: int = 0) -> Callable[[Callable, str], Callable]:
     """-> wrap(fn, name): fn compiled as one graph, under a code object of its own named `name`,
     with the batch symbolic (`batch` marks it on the inputs) and every other size and float static
     (`SymbolicBatch.marking`).
 
     saved: a step of specpass's backend or Inductor is saved once compiled and loaded by later
-    processes without Dynamo (`saved_steps`), while specpass's compile cache is on."""
+    processes without Dynamo (`saved_steps`), while specpass's compile cache is on.
+    background: such a step compiles on the compile worker (`background`, at `priority`: lower
+    first) and runs uncompiled until it lands."""
     if compile == "eager":
         return lambda fn, name: fn
     backend = default_backend if compile == "specpass" else compile  # "inductor"; a callable
     where = saved_steps.directory() if saved and savable(backend) else None
+    background = background and savable(backend)
 
     exact = getattr(getattr(backend, "options", None), "exact", False)
 
@@ -55,10 +58,10 @@ def compiler(compile: str | Callable, mode: str | None, batch: SymbolicBatch,
         return step
 
     def wrap_with(fn: Callable, name: str, mode: str | None) -> Callable:
-        if where is None:
+        if where is None and not background:
             return compiled(fn, name, mode)
         return saved_steps.SavedStep(fn, own_code(name), backend, mode, batch, where,
-                                     lambda: compiled(fn, name, mode))
+                                     lambda: compiled(fn, name, mode), background, priority)
 
     def wrap(fn: Callable, name: str) -> Callable:
         step = wrap_with(fn, name, mode)

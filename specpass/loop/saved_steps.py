@@ -24,6 +24,7 @@ Where: `steps/` under specpass's compile cache (`compile_cache.directory()`); of
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from specpass import compile_cache
 from specpass.compile_backend import collecting_reports, log_report, warn
+from specpass.loop import background
 from specpass.report import Report
 
 log = logging.getLogger("specpass")
@@ -62,13 +64,17 @@ def directory() -> Path | None:
 
 class SavedStep:
     """`fn` (a step with its models bound) compiled as one graph under the code object `code`
-    (`runtime.own_code`), saved, and loaded by later processes. Each call runs the compiled function
-    whose guards pass, or the one called last while guards are skipped (`runtime.skip_guards`); a
-    call no function serves loads the saved one or compiles, on clones of its tensors marked as
-    `batch` marks them (a saved guard rejects a tensor marked at a call and not at the compile)."""
+    (`runtime.own_code`), saved under `where` (None: not saved), and loaded by later processes. Each
+    call runs the compiled function whose guards pass, or the one called last while guards are
+    skipped (`runtime.skip_guards`); a call no function serves loads the saved one or compiles, on
+    clones of its tensors marked as `batch` marks them (a saved guard rejects a tensor marked at a
+    call and not at the compile).
+
+    background: the compile runs on `background.worker` (at `priority`), and the calls until it lands
+    run fn uncompiled."""
 
     def __init__(self, fn: Callable, code: Callable, backend: str | Callable, mode: str | None, batch: Any,
-                 where: Path, unsaved: Callable[[], Callable]):
+                 where: Path | None, unsaved: Callable[[], Callable], background: bool = False, priority: int = 0):
         self.fn, self.batch, self.where = fn, batch, where
         self.name, self.globals = code.__name__, code.__globals__
         self.make_unsaved, self.unsaved = unsaved, None  # the step under torch.compile, where torch cannot save it
@@ -79,30 +85,40 @@ class SavedStep:
         with torch._dynamo.config.patch(enable_aot_compile=True):  # torch 2.11's default is off
             self.compiler = torch.compile(code, backend=_serializable(backend), options=options, fullgraph=True,
                                           dynamic=None)
-        self.compiled: list[Any] = []  # AOT compiled functions of fn, the last called last
-        self.saving = True
+        self.compiled: list[Any] = []  # AOT compiled functions of fn
+        self.last: Any = None  # the one called last, its guards checked; None after an uncompiled call
+        self.saving = where is not None
+        self.background, self.priority = background, priority
+        self.pending: concurrent.futures.Future | None = None  # a compile on the worker
 
     def __call__(self, *args: Any) -> Any:
+        if self.pending is not None and self.pending.done():
+            landed, self.pending = self.pending.result(), None
+            if landed is not None:
+                self._landed(landed)
         if self.unsaved is not None:
             return self.unsaved(*args)
         call = (self.fn, *args)
-        if self.compiled and torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe:
-            return self.compiled[-1].fn(*call)
-        for i, compiled in enumerate(self.compiled):
-            if compiled.guard_check(*call):
-                self.compiled.append(self.compiled.pop(i))
-                return compiled.fn(*call)
-        compiled = self._load_or_compile(args)
-        if compiled is None:
-            return self.unsaved(*args)
+        if self.last is not None and torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe:
+            return self.last.fn(*call)
+        self.last = next((compiled for compiled in self.compiled if compiled.guard_check(*call)), None)
+        if self.last is None and self.pending is None:
+            self.last = self._load_or_compile(args)
+        if self.last is None:  # compiling on the worker, or (torch cannot save it) under torch.compile
+            return self.fn(*args) if self.unsaved is None else self.unsaved(*args)
+        return self.last.fn(*call)
+
+    def _landed(self, compiled: Any) -> None:
         self.compiled.append(compiled)
-        return compiled.fn(*call)
+        for report in compiled.reports:  # logged on the worker; collected by the caller's `collecting_reports`
+            log_report(report, self.name, logged=True)
 
     def _load_or_compile(self, args: tuple) -> Any:
+        """The saved step for args, else one compiled (None while it compiles on the worker)."""
         marks = list(self.batch.marked(args))
-        key = staleness_key(self.name, self.fn, args, marks, self.backend, self.mode)
-        path = self.where / f"{self.name}-{key[:32]}.bin"
-        if path.exists():
+        key = None if self.where is None else staleness_key(self.name, self.fn, args, marks, self.backend, self.mode)
+        path = None if key is None else self.where / f"{self.name}-{key[:32]}.bin"
+        if path is not None and path.exists():
             try:
                 compiled, reports = _load(path, key, self.globals, self.mode_options)
                 if not compiled.guard_check(self.fn, *args):
@@ -115,22 +131,36 @@ class SavedStep:
                 for report in reports:
                     report.notes.append(f"loaded with the saved step {path}")
                     log_report(report, self.name)
+                self.compiled.append(compiled)
                 return compiled
         clones = pytree.tree_map(_clone, args)
         clone_of = {id(a): c for a, c in zip(pytree.tree_leaves(args), pytree.tree_leaves(clones))}
         for tensor, dim in marks:
             torch._dynamo.maybe_mark_dynamic(clone_of[id(tensor)], dim)
+        compile = functools.partial(self._compile, clones, key, path)
+        if self.background:
+            self.pending = background.worker.submit(compile, self.priority)
+            return None
+        compiled = compile()
+        if compiled is not None:
+            self.compiled.append(compiled)
+        return compiled
+
+    def _compile(self, clones: tuple, key: str | None, path: Path | None) -> Any:
+        """The step compiled on clones, and saved -> the AOT compiled function (its `reports` set), or
+        None where torch cannot save it (`unsaved` is set)."""
         try:
-            with collecting_reports() as reports:
+            with collecting_reports(alone=self.background) as reports:  # the worker's: none of the caller's
                 compiled = self.compiler.aot_compile(((self.fn, *clones), {}))
         except Exception as exc:  # what torch.compile takes and torch's precompile does not
             warn(f"specpass cannot save the step {self.name} ({type(exc).__name__}: {exc}); compiling it with "
                  "torch.compile, again in each process")
             self.unsaved = self.make_unsaved()
             return None
+        compiled.reports = [report for _, report in reports]
         if self.saving:
             try:
-                _save(path, key, compiled, [report for _, report in reports], self.globals, self.mode_options)
+                _save(path, key, compiled, compiled.reports, self.globals, self.mode_options)
             except Exception as exc:  # a step that cannot be saved still runs
                 self.saving = False
                 warn(f"specpass could not save the step {self.name} ({type(exc).__name__}: {exc}); it compiles "
