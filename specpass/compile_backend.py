@@ -8,17 +8,11 @@ signals to trace again (`RestartAnalysis`: a float it must specialize) are Dynam
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from collections import Counter
-import logging
-import os
 import re
-import sys
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -30,9 +24,8 @@ from specpass.capture import adopt_dynamo_inputs, to_aten_ir
 from specpass.graph import device_reads_to_host
 from specpass.options import Options
 from specpass.pipeline import RewriteResult, run_passes
-from specpass.report import Report
+from specpass.report import Report, log, log_report, log_to_stderr_if_asked
 
-log = logging.getLogger("specpass")
 
 
 class SpecpassWarning(UserWarning):
@@ -54,7 +47,7 @@ def backend(**options: Any) -> Callable[..., Callable]:
     def specpass_backend(gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                          options: dict[str, Any] | None = None) -> Callable:
         # A first compile takes a minute or more: say which step, and how long it took.
-        _log_to_stderr_if_asked()
+        log_to_stderr_if_asked()
         name, start = step_name(gm), time.perf_counter()
         log.info("specpass: compiling %s (%d nodes)", name, len(gm.graph.nodes))
         compiled = rewrite_and_hand_off(gm, example_inputs, mode, options, name)
@@ -293,48 +286,6 @@ def step_name(gm: fx.GraphModule) -> str:
         if frames:
             return frames[0]
     return f"graph {len(gm.graph.nodes)} nodes"
-
-
-def _log_to_stderr_if_asked() -> None:
-    if os.environ.get("SPECPASS_LOG", "0") not in ("", "0") and not any(
-        getattr(h, "_specpass_stderr", False) for h in log.handlers
-    ):
-        handler = logging.StreamHandler(sys.stderr)
-        handler._specpass_stderr = True  # type: ignore[attr-defined]
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-
-
-# Per context (a thread's own, and what a job on the compile worker copies from its caller).
-_collectors: contextvars.ContextVar[tuple[list[tuple[str, Report]], ...]] = contextvars.ContextVar(
-    "specpass_report_collectors", default=())
-
-
-@contextlib.contextmanager
-def collecting_reports(alone: bool = False) -> Iterator[list[tuple[str, Report]]]:
-    """(step name, report) of every graph compiled in the block, and of every saved step loaded
-    (`specpass.loop.saved_steps` logs the reports it saved): what `return_dict_in_generate` returns.
-    alone: the enclosing blocks do not get them."""
-    collected: list[tuple[str, Report]] = []
-    token = _collectors.set((collected,) if alone else (*_collectors.get(), collected))
-    try:
-        yield collected
-    finally:
-        _collectors.reset(token)
-
-
-def log_report(report: Report, step: str = "", logged: bool = False) -> None:
-    """report to every collector, and to the log. logged: it was logged where it was made (on the
-    compile worker): collected only."""
-    for collected in _collectors.get():
-        collected.append((step, report))
-    if logged:
-        return
-    _log_to_stderr_if_asked()
-    if log.isEnabledFor(logging.INFO):
-        # formatted here, where the backend catches a failure, not in a handler; the Report itself
-        # rides on the record (`record.report`) for tools that read its figures
-        log.info(f"{report}\n  {report.timing()}", extra={"report": report, "step": step})
 
 
 def warn(message: str) -> None:

@@ -23,11 +23,11 @@ import torch.nn as nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind
 
-from specpass.compile_backend import SpecpassWarning, log_report
+from specpass.compile_backend import SpecpassWarning
 from specpass.graph import emit, is_mutation
 from specpass.options import Options
 from specpass.pipeline import run_passes
-from specpass.report import Report
+from specpass.report import Report, log_report
 
 _WRITES = (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION, OutputKind.USER_INPUT_MUTATION)
 

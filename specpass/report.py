@@ -1,11 +1,16 @@
-"""What the passes did to a graph, and what they left alone and why."""
+"""What the passes did to a graph, and what they left alone and why; and where each report goes
+(`log_report`: the "specpass" logger, and every `collecting_reports` block of the caller's context)."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
+import logging
 import math
+import os
+import sys
 import time
 from collections.abc import Iterator
 
@@ -16,6 +21,7 @@ from specpass import kernels  # noqa: F401  (registers torch.ops.specpass.*, cou
 from specpass.graph import is_region_call, region_body, val
 
 aten = torch.ops.aten
+log = logging.getLogger("specpass")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,3 +189,46 @@ def graph_matmul_flops(gm: fx.GraphModule) -> int:
     """The graph's matmul FLOPs, a region body's counted once per call."""
     return sum(graph_matmul_flops(region_body(n)) if is_region_call(n) else node_matmul_flops(n)
                for n in gm.graph.nodes)
+
+
+def log_to_stderr_if_asked() -> None:
+    """SPECPASS_LOG=1: the \"specpass\" logger's INFO records to stderr (one handler, added once)."""
+    if os.environ.get("SPECPASS_LOG", "0") not in ("", "0") and not any(
+        getattr(h, "_specpass_stderr", False) for h in log.handlers
+    ):
+        handler = logging.StreamHandler(sys.stderr)
+        handler._specpass_stderr = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
+# Per context (a thread's own, and what a job on the compile worker copies from its caller).
+_collectors: contextvars.ContextVar[tuple[list[tuple[str, Report]], ...]] = contextvars.ContextVar(
+    "specpass_report_collectors", default=())
+
+
+@contextlib.contextmanager
+def collecting_reports(alone: bool = False) -> Iterator[list[tuple[str, Report]]]:
+    """(step name, report) of every graph compiled in the block, and of every saved step loaded
+    (`specpass.loop.saved_steps` logs the reports it saved): what `return_dict_in_generate` returns.
+    alone: the enclosing blocks do not get them."""
+    collected: list[tuple[str, Report]] = []
+    token = _collectors.set((collected,) if alone else (*_collectors.get(), collected))
+    try:
+        yield collected
+    finally:
+        _collectors.reset(token)
+
+
+def log_report(report: Report, step: str = "", logged: bool = False) -> None:
+    """report to every collector, and to the log. logged: it was logged where it was made (on the
+    compile worker): collected only."""
+    for collected in _collectors.get():
+        collected.append((step, report))
+    if logged:
+        return
+    log_to_stderr_if_asked()
+    if log.isEnabledFor(logging.INFO):
+        # formatted here, where the backend catches a failure, not in a handler; the Report itself
+        # rides on the record (`record.report`) for tools that read its figures
+        log.info(f"{report}\n  {report.timing()}", extra={"report": report, "step": step})

@@ -14,8 +14,8 @@ import specpass
 from models.toy import ToyDraft
 from specpass import pipeline
 from specpass.graph import emit
-from specpass.loop.runtime import SymbolicBatch, compiler
-from specpass.report import Finding
+from specpass.loop.compiling import SymbolicBatch, compiler
+from specpass.report import Finding, collecting_reports
 
 aten = torch.ops.aten
 
@@ -142,7 +142,7 @@ def test_gemv_runs_only_where_cuda_graphs_replay_the_step(monkeypatch, compile_k
 
     monkeypatch.setattr(compile_backend, "run_passes", run_passes)
     fn = torch.compile(lambda x: (x * 2).sum(-1), backend=specpass.backend(handoff="eager"), **compile_kwargs)
-    with compile_backend.collecting_reports() as reports:
+    with collecting_reports() as reports:
         torch.testing.assert_close(fn(torch.ones(3, 4)), torch.full((3,), 8.0))
     assert ran_with == [(replayed, replayed)], ran_with
     [(_, report)] = reports
@@ -152,10 +152,8 @@ def test_gemv_runs_only_where_cuda_graphs_replay_the_step(monkeypatch, compile_k
 
 def test_a_cpu_step_notes_nothing_of_gemv():
     """The GEMV pass runs on CUDA only: a CPU step's report has no note of it being off."""
-    from specpass import compile_backend
-
     fn = torch.compile(lambda x: (x * 2).sum(-1), backend=specpass.backend(handoff="eager"))
-    with compile_backend.collecting_reports() as reports:
+    with collecting_reports() as reports:
         fn(torch.ones(3, 4))
     [(_, report)] = reports
     assert not any("gemv" in n for n in report.notes), report.notes

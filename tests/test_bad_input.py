@@ -17,7 +17,8 @@ from models.checkpoint import CheckpointError, load, save
 from models.drafters import ZooDrafter
 from models.eagle3 import Eagle3Head
 from models.llama import Llama
-from specpass.loop import Decoder
+from specpass.loop import Decoder, round_spec, shapes
+from specpass.loop.chain import CHAIN
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,6 +118,24 @@ def test_k_must_be_an_int_or_a_tree_shape(target, k):
                                          rf"decoding\) or a specpass.TreeShape\(topk, steps, tokens\) \(tree rounds\), "
                                          rf"got {re.escape(repr(k))}"):
         decoder(target, zoo_drafter("tiny-llama-draft"), k=k)
+
+
+def test_one_check_of_k_whatever_the_entry_point(target, monkeypatch):
+    """Decoder(k=), use_k and tune_k's trees say the same of a bad K; a RoundSpec is checked where
+    `round_spec` made it, and a Decoder given one checks nothing again."""
+    message = r"must be an int >= 0 \(draft tokens per round; 0: the drafter off, plain decoding\)"
+    drafter = zoo_drafter("tiny-llama-eagle3")
+    dec = decoder(target, drafter, k=2)
+    for call in (lambda: decoder(target, drafter, k=-1), lambda: dec.use_k(-1),
+                 lambda: round_spec(drafter, -1, "num_assistant_tokens")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    spec = round_spec(drafter, 3)
+    assert (spec.shape, spec.k, spec.cache_slots(5, 10)) == (CHAIN, 3, CHAIN.cache_slots(5, 10, 3))
+    checked = []
+    monkeypatch.setattr(shapes, "round_shape", lambda *a: checked.append(a))
+    dec.use_k(spec)
+    assert dec.k == 3 and checked == []
 
 
 @pytest.mark.parametrize("name", ["max_batch", "max_len"])

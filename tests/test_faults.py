@@ -220,7 +220,7 @@ def test_a_step_compiled_unrewritten_is_reported_once_with_why(monkeypatch, wher
         monkeypatch.setattr(torch, where, lambda *args, **kwargs: failing)
     else:
         monkeypatch.setattr(backend_module, where, failing)
-    with backend_module.collecting_reports() as reports:
+    with report.collecting_reports() as reports:
         (message,) = _run_with_warnings(specpass if where == "_TorchCompileInductorWrapper" else
                                         specpass.backend(handoff="eager"))
     assert [(step, r.fallback) for step, r in reports] == [("step", message)], reports
@@ -241,7 +241,7 @@ def test_dynamos_restart_signal_goes_back_to_dynamo(monkeypatch):
 
     capture = backend_module.to_aten_ir
     monkeypatch.setattr(backend_module, "to_aten_ir", to_aten_ir)
-    with backend_module.collecting_reports() as reports:
+    with report.collecting_reports() as reports:
         assert _run_with_warnings(specpass.backend(handoff="eager")) == []
     assert len(calls) == 2 and [r.fallback for _, r in reports] == [None] and reports[0][1].rewrites
 
@@ -250,7 +250,7 @@ def test_a_step_cuda_graphs_cannot_capture_runs_again_without_them():
     """An op that reads a tensor to the host inside an opaque custom op fails a CUDA graph's capture,
     before any kernel of the step ran: the step runs again compiled without CUDA graphs (made only
     then), once warned and reported. Any other error is the step's own and propagates."""
-    from specpass.loop.runtime import CaptureChecked
+    from specpass.loop.compiling import CaptureChecked
 
     calls = []
 
@@ -265,7 +265,7 @@ def test_a_step_cuda_graphs_cannot_capture_runs_again_without_them():
 
     step = CaptureChecked(captured, without_graphs, "decode_round")
     assert calls == []
-    with warnings.catch_warnings(record=True) as caught, backend_module.collecting_reports() as reports:
+    with warnings.catch_warnings(record=True) as caught, report.collecting_reports() as reports:
         warnings.simplefilter("always")
         assert step(1) == 2 and step(2) == 3
     assert calls == ["captured", "made", "without", "without"]

@@ -431,7 +431,7 @@ def test_gemv_composes_with_the_backend_and_cuda_graphs():
     """The pass on: a one-row step's linears run as the op under Inductor and CUDA graphs, with its
     values; the five-row verify's stay cuBLAS's."""
     import specpass
-    from specpass.compile_backend import collecting_reports
+    from specpass.report import collecting_reports
 
     def step(h, w1, w2):
         return F.linear(F.silu(F.linear(h, w1)), w2) + h
@@ -474,7 +474,7 @@ def test_gemv_group_is_each_weight_s_gemv(ns, k, rows):
 def test_gemv_group_composes_with_the_backend_and_cuda_graphs():
     """q, k and v of one row in one launch under Inductor and CUDA graphs, with their values."""
     import specpass
-    from specpass.compile_backend import collecting_reports
+    from specpass.report import collecting_reports
 
     def step(h, wq, wk, wv):
         return F.linear(h, wq) * torch.cat([F.linear(h, wk), F.linear(h, wv)], -1)

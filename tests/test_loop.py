@@ -170,7 +170,7 @@ def test_clock_waits_and_counts_seconds(target):
 
 
 def test_prompts_right_padded_with_zeros_in_int64_rows():
-    from specpass.loop.runtime import right_padded
+    from specpass.loop.host import right_padded
 
     rows = right_padded([[5, 2**40, 7], [1], [3, 0, 9, 4]], 5)
     assert rows.dtype == torch.long and rows.tolist() == [[5, 2**40, 7, 0, 0], [1, 0, 0, 0, 0], [3, 0, 9, 4, 0]]
@@ -199,8 +199,8 @@ def test_start_moves_every_request_to_a_position(target):
 
 def test_round_ms_and_tune_k_s_callback(target):
     dec = Decoder(target, eagle(), k=2, max_batch=3, max_len=MAX_LEN, compile="eager")
-    ms, acceptance = dec.round_ms(PROMPTS, 2, 6, repeats=1)
-    assert ms > 0 and len(acceptance) == 2
+    ms, metrics = dec.round_ms(PROMPTS, 2, 6, repeats=1)
+    assert ms > 0 and len(metrics.acceptance) == 2 and metrics.new_tokens > 0
     timed = []
     choice = dec.tune_k(PROMPTS, (1, 3), acceptance=[0.9, 0.8, 0.7], new_tokens=(2, 6), repeats=1, max_timings=0,
                         on_timed=lambda k, ms: timed.append((k, ms)))

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import specpass
-from specpass.compile_backend import collecting_reports
+from specpass.report import collecting_reports
 from specpass.graph import is_region_call
 from specpass.passes import masks
 from specpass.testing import Recorder, graph_str

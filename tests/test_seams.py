@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import specpass
-from specpass.compile_backend import collecting_reports
+from specpass.report import collecting_reports
 from specpass.testing import Recorder, graph_str
 
 D = 8

@@ -19,7 +19,8 @@ from models import zoo
 from specpass.capture import to_aten_ir
 from models.checkpoint import save
 from models.drafters import ZooDrafter
-from specpass.loop import Decoder, Metrics, choose_k, expected_accept_length, next_k_to_time, price, runtime
+from specpass.loop import Decoder, Metrics, choose_k, expected_accept_length, next_k_to_time, price
+from specpass.loop.host import DoneFlags
 from specpass.loop.cost import batch_busy
 from specpass.loop.steps import decode_round as steps_decode_round
 from specpass.loop.steps import first_true
@@ -183,7 +184,7 @@ def test_no_round_past_the_budgets(target, monkeypatch, eos_id):
     one round past it, which the count leaves out. Tokens as greedy decoding's."""
     from specpass.loop import driver
 
-    class Lagged(runtime.DoneFlags):  # a GPU's DoneFlags on the CPU: each push reads the round before
+    class Lagged(DoneFlags):  # a GPU's DoneFlags on the CPU: each push reads the round before
         def __init__(self, device):
             super().__init__(device)
             self.lag = 1
@@ -296,13 +297,13 @@ def test_decoders_over_one_pair_keep_their_own_compile_caches(target):
 def stance_per_round(monkeypatch):
     """-> a list that gets, at each round's host sync, whether Dynamo skips guard evaluation."""
     seen = []
-    push = runtime.DoneFlags.push
+    push = DoneFlags.push
 
     def recording(self, finished):
         seen.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
         return push(self, finished)
 
-    monkeypatch.setattr(runtime.DoneFlags, "push", recording)
+    monkeypatch.setattr(DoneFlags, "push", recording)
     return seen
 
 
@@ -320,7 +321,7 @@ def test_rounds_after_the_second_skip_guard_evaluation(target, monkeypatch):
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe  # restored after the loop
     seen.clear()
     with pytest.raises(RuntimeError, match="stop"):  # restored when the loop raises, too
-        monkeypatch.setattr(runtime.DoneFlags, "push", lambda self, finished: (_ for _ in ()).throw(
+        monkeypatch.setattr(DoneFlags, "push", lambda self, finished: (_ for _ in ()).throw(
             RuntimeError("stop")) if len(seen) > 4 else seen.append(1))
         dec.generate(PROMPTS, NEW)
     assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe
@@ -565,13 +566,13 @@ def test_tune_k_counts_the_rounds_done_requests_idle(target, monkeypatch):
     # in 1.3 ms against 3.7 in 1.5), for the batch the tree is: 2.85 x 0.7 < 2.47.
     tree = specpass.TreeShape(2, 3, 6)
 
-    def timed(self, prompts, short, long, repeats, sampling):
+    def timed(self, prompts, short, long, repeats=3, sampling=None):
         busy, ms = (1.0, 1.5) if self.k == tree else (0.7, 1.0 + 0.1 * self.k)
         rounds = 10
         return ms, Metrics(new_tokens=0, rounds=rounds, seconds=1.0, prefill_seconds=0.0, accept_length=0.0,
                            acceptance=[0.9] * 3, phase_ms={}, request_rounds=round(busy * rounds * len(prompts)))
 
-    monkeypatch.setattr(Decoder, "_round_ms", timed)
+    monkeypatch.setattr(Decoder, "round_ms", timed)
     dec = Decoder(target, ZooDrafter(zoo.build("tiny-llama-eagle3", seed=3)), k=1, max_batch=len(PROMPTS),
                   max_len=MAX_LEN + 6, compile="eager")
     choice = dec.tune_k(PROMPTS, (1, 3), acceptance=[0.9] * 3, new_tokens=(2, 6), repeats=1, trees=[tree])

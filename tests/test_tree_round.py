@@ -112,11 +112,11 @@ def test_tune_k_chooses_plain_chain_or_tree_by_tokens_per_ms(target, monkeypatch
     costs = {1: 1.1, 2: 1.2, 3: 1.3, 4: 1.4}
     per_depth = {tree: [0.9, 0.8, 0.7]}  # 3.4 tokens per round
 
-    def round_ms(self, prompts, short, long, repeats, sampling):  # every request busy in every round
+    def round_ms(self, prompts, short, long, repeats=3, sampling=None):  # every request busy in every round
         return costs[self.k], Metrics(new_tokens=0, rounds=1, seconds=0.0, prefill_seconds=0.0, accept_length=0.0,
                                       acceptance=per_depth.get(self.k, []), phase_ms={}, request_rounds=len(prompts))
 
-    monkeypatch.setattr(Decoder, "_round_ms", round_ms)
+    monkeypatch.setattr(Decoder, "round_ms", round_ms)
     tune = lambda: dec.tune_k(PROMPTS, (2, 4), acceptance=[0.5] * 4, off=True, trees=[tree])  # noqa: E731
     for plain_ms, tree_ms, want in ((1.0, 1.3, tree),  # 2.6 tokens/ms against the chain's 2.14
                                     (0.3, 1.3, 0),  # plain decoding: 3.3 tokens/ms

@@ -25,12 +25,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from specpass.compile_backend import backend as specpass_backend, collecting_reports, warn
+from specpass.compile_backend import backend as specpass_backend, warn
 from specpass.hf.adapters import HFDrafter, HFTarget, check_model, check_pair, check_tree
-from specpass.loop import Decoder, Metrics, State, TreeShape, round_shape
-from specpass.loop.checks import check_cache_size, check_k
+from specpass.loop import Decoder, Metrics, State, TreeShape, round_spec
+from specpass.loop.checks import check_cache_size
 from specpass.loop.shapes import aligned
-from specpass.report import Report
+from specpass.report import Report, collecting_reports
 from specpass.tensor_parallel import follow, localize, shard
 
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
@@ -171,8 +171,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     if "draft_tree" in sampling:
         raise TypeError("generate() takes tree rounds as num_assistant_tokens=specpass.TreeShape(topk, steps, tokens), "
                         "not draft_tree=")
-    k = num_assistant_tokens if assistant_model is not None else 0
-    check_k(assistant_model, k, "num_assistant_tokens")
+    drafter = HFDrafter(assistant_model) if standalone else assistant_model
+    spec = round_spec(drafter, num_assistant_tokens if drafter is not None else 0, "num_assistant_tokens")
+    k = spec.k
     prompts = _prompts(input_ids, attention_mask)
     config = _generation_config(model, generation_config)
     stop_strings = sampling.pop("stop_strings", None)
@@ -185,8 +186,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     options = _sampling(config, do_sample if do_sample is not None else bool(config.do_sample), sampling)
     options |= _processors(config, processors, input_ids, prompts)
 
-    drafter = HFDrafter(assistant_model) if standalone else assistant_model
-    need = round_shape(drafter, k).cache_slots(max(map(len, prompts)), max_new_tokens, k)
+    need = spec.cache_slots(max(map(len, prompts)), max_new_tokens)
     if cache_len is not None and cache_len < need:
         raise ValueError(f"cache_len {cache_len} is shorter than the {need} slots the longest prompt + max_new_tokens "
                          f"need at K {k} (`cache_slots`): raise it to {need} or more")
@@ -208,7 +208,7 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
         # tp_plan="auto": the local shards, so that the passes see the graph (DTensors cannot be captured)
         target, group = localize(model) if any(isinstance(p, DTensor) for p in model.parameters()) else (model, None)
         held = _drafter_at_tp(drafter, model, target, group) if group is not None else drafter
-        return Decoder(HFTarget(target), held, k=k, max_batch=max(len(prompts), max_batch or ROWS), max_len=slots,
+        return Decoder(HFTarget(target), held, k=spec, max_batch=max(len(prompts), max_batch or ROWS), max_len=slots,
                        compile=backend, mode=mode, fused_round=fused_round, group=group, exact=exact,
                        background_compile=background_compile), _Recorder()
 

@@ -4,15 +4,15 @@ is compiled or run."""
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from specpass.loop.distributed import Ranks
 from specpass.loop.protocols import Target, require
-from specpass.loop.runtime import COMPILERS
-from specpass.loop.shapes import round_shape
+from specpass.loop.compiling import COMPILERS
+from specpass.loop.shapes import RoundSpec, round_shape
 from specpass.loop.steps import is_int
 from specpass.loop.tree import TreeShape
 from specpass.options import Options
@@ -25,17 +25,6 @@ def check_models(target: Any, drafter: Any) -> None:
     round_shape(drafter)
     if drafter is not None and drafter.hidden_kind is not None:
         require(target, "target", Target)  # the drafter reads the target's hidden states
-
-
-def check_k(drafter: Any, k: Any, name: str = "k") -> None:
-    """K (named `name` where the caller took it: specpass.generate's num_assistant_tokens) for this
-    drafter: the one check of K, whatever the entry point."""
-    if drafter is None and k != 0:
-        raise ValueError(f"plain decoding (drafter=None) drafts nothing: K is 0, got {k!r}")
-    if drafter is not None and not (is_int(k) and k >= 0 or isinstance(k, TreeShape)):
-        hint = f": pass specpass.TreeShape{tuple(k)}" if isinstance(k, (tuple, list)) and len(k) == 3 else ""
-        raise ValueError(f"{name} must be an int >= 0 (draft tokens per round; 0: the drafter off, plain decoding) "
-                         f"or a specpass.TreeShape(topk, steps, tokens) (tree rounds), got {k!r}{hint}")
 
 
 def check_cache_size(name: str, value: Any) -> None:
@@ -145,10 +134,9 @@ def probe(target: Target, drafter: Any, max_batch: int, device: torch.device, ra
     return V
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], limits: list[int], vocab_size: int, max_len: int, k: int,
-                  slots: Callable[[int, int, int], int]) -> list[list[int]]:
-    """Each problem named, with what to do -> the prompts as lists of ints. slots: the round
-    shape's `cache_slots`."""
+def check_prompts(prompts: Sequence[Sequence[int]], limits: list[int], vocab_size: int, max_len: int,
+                  spec: RoundSpec) -> list[list[int]]:
+    """Each problem named, with what to do -> the prompts as lists of ints. spec: the rounds they run."""
     if len(prompts) == 0:
         raise ValueError("no prompts: pass a list of prompts, each a list of token ids")
     checked = []
@@ -167,20 +155,20 @@ def check_prompts(prompts: Sequence[Sequence[int]], limits: list[int], vocab_siz
                                      f"vocabulary (ints 0..{vocab_size - 1}): encode it with the target's "
                                      "tokenizer")
             ids = [int(t) for t in ids]  # other integer types (numpy's)
-        need = slots(len(ids), limit, k)
+        need = spec.cache_slots(len(ids), limit)
         if len(ids) >= max_len:
             raise ValueError(f"prompt {i} has {len(ids)} tokens but max_len is {max_len}: raise max_len "
                              f"(to {need} for max_new_tokens {limit}) or shorten the prompt")
         if need > max_len:
             raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_new_tokens {limit} needs {need} cache "
-                             f"slots at K {k} (`cache_slots`), but max_len is {max_len}: raise max_len "
+                             f"slots at K {spec.k} (`cache_slots`), but max_len is {max_len}: raise max_len "
                              f"to {need}, or lower max_new_tokens or shorten the prompt")
         checked.append(ids)
     return checked
 
 
-def check_position(position: Any, prompts: list[list[int]], limits: list[int], max_len: int, k: int,
-                   slots: Callable[[int, int, int], int]) -> None:
+def check_position(position: Any, prompts: list[list[int]], limits: list[int], max_len: int,
+                   spec: RoundSpec) -> None:
     """`Decoder.start(position=...)`: an int at or past every prompt's end, from which every request
     still fits the caches."""
     if not is_int(position) or position < 1:
@@ -190,10 +178,10 @@ def check_position(position: Any, prompts: list[list[int]], limits: list[int], m
         if position < len(prompt):
             raise ValueError(f"position {position} is inside prompt {i} ({len(prompt)} tokens): it moves requests "
                              f"forward, past their prompts; pass {len(prompt)} or more")
-        need = slots(position, limit, k)
+        need = spec.cache_slots(position, limit)
         if need > max_len:
             raise ValueError(f"position {position} + max_new_tokens {limit} (request {i}) needs {need} cache slots at "
-                             f"K {k} (`cache_slots`), but max_len is {max_len}: raise max_len to {need}, or lower "
+                             f"K {spec.k} (`cache_slots`), but max_len is {max_len}: raise max_len to {need}, or lower "
                              "position or max_new_tokens")
 
 

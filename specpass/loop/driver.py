@@ -29,16 +29,17 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from specpass.loop import background, runtime, tuning
-from specpass.loop.checks import (check_background, check_cache_size, check_exact, check_k, check_models,
-                                  check_options, check_position, check_processors, check_prompts, check_ranks_option,
-                                  check_sampling, check_timing, device_of, is_int, probe)
+from specpass.loop import background, compiling, tuning
+from specpass.loop.checks import (check_background, check_cache_size, check_exact, check_models, check_options,
+                                  check_position, check_processors, check_prompts, check_ranks_option, check_sampling,
+                                  check_timing, device_of, is_int, probe)
 from specpass.loop.distributed import Ranks, RoundCheck, checksum, fingerprint
 from specpass.loop.processors import Processing, after_emitting
 from specpass.loop.protocols import Drafter, Target
-from specpass.loop.runtime import (DoneFlags, InPlaceRound, PhaseTimer, SymbolicBatch, clock, compiler, exact_backend,
-                                   replayed, right_padded)
-from specpass.loop.shapes import PLAIN, RoundShape, round_shape
+from specpass.loop.compiling import SymbolicBatch, compiler, exact_backend
+from specpass.loop.host import DoneFlags, PhaseTimer, clock, right_padded
+from specpass.loop.round_buffers import InPlaceRound, replayed
+from specpass.loop.shapes import PLAIN, RoundSpec, round_spec
 from specpass.loop.steps import Carry, State, Steps, carried, decode_round, decode_round_in_place, prefill_step
 from specpass.loop.tree import TreeShape, depth
 from specpass.repeated_blocks import mark_repeated_blocks
@@ -78,7 +79,7 @@ class Output:
 class Run(NamedTuple):
     """A decoding in progress (`Decoder.start`, `Decoder.rounds`), on the device: request b's
     tokens so far are state.out[b, :state.count[b]]. After a fused round its state and carry are
-    the round's own buffers (`runtime.InPlaceRound`): the next run at that K and batch size
+    the round's own buffers (`round_buffers.InPlaceRound`): the next run at that K and batch size
     overwrites them; clone what must outlive it."""
 
     state: State
@@ -91,7 +92,7 @@ class Run(NamedTuple):
 class Bound:
     """One K's steps, bound and compiled (lazily, on their first call), kept for `use_k`."""
 
-    shape: RoundShape  # the round shape K runs
+    spec: RoundSpec  # the round shape K runs, K bound
     steps: Steps  # the round shape's functions with the models and K bound (what specpass.explain reads)
     apart: Steps | None  # their compiled forms, one graph each; None when the round is fused
     round: Callable[[State, Carry, Params | None], tuple[State, Carry, Tensor]]  # one round, as the loop calls it
@@ -102,9 +103,11 @@ class Decoder:
     """Decoding of `target`, greedy or sampled, speculative when `drafter` is given (a `Drafter`,
     or a `ParallelDrafter`: its round shape is decided once, from the Protocol it satisfies).
 
+    k: drafts per round (0: plain decoding), a `TreeShape(topk, steps, tokens)` (tree rounds), or
+      the `RoundSpec` that `round_spec(drafter, k)` made (K checked once, taken as it is).
     compile: "specpass" (default), "inductor", "eager" (no torch.compile), or a backend callable
       (e.g. `specpass.backend(handoff="eager")`). Every step is compiled once with the batch
-      symbolic (`runtime.SymbolicBatch`) and the other sizes static; the prefill
+      symbolic (`compiling.SymbolicBatch`) and the other sizes static; the prefill
       (`steps.prefill_step`) with the prompt length symbolic too, in the default mode.
     mode: torch.compile's mode; "reduce-overhead" gives CUDA graphs (one per compiled graph).
     fused_round: compile the whole round as one graph (one CUDA graph replay per round) instead
@@ -117,7 +120,7 @@ class Decoder:
       twice as many rows), which compiles the steps again.
     compile_prefill: False runs the prefill uncompiled (a benchmark of the rounds alone skips its
       compile, about a minute at 8B shape).
-    skip_guards: rounds 3 on of a call run without Dynamo's guard evaluation (`runtime.skip_guards`);
+    skip_guards: rounds 3 on of a call run without Dynamo's guard evaluation (`compiling.skip_guards`);
       False keeps every guard (what that saves, measured). An attribute too: `dec.skip_guards = False`.
     group: the torch.distributed process group the models are sharded over (tensor parallel), or None
       (one process). Every rank builds this Decoder and calls it with the same arguments; every rank
@@ -139,29 +142,18 @@ class Decoder:
       two kernels may). specpass's backend or Inductor; not with exact mode or a group.
       `dec.wait_compiled()` waits for them.
 
-    Decoding, and its parts for benchmarks (every one the same code `generate` runs):
-      dec.generate(prompts, max_new_tokens, ...) -> Output     the whole loop, metrics included
-      dec.reserve(requests)        caches for that many requests (grown; the steps compile again)
-      dec.k; dec.use_k(k)          the drafts per round; decode with K from now on (compiled once per K, kept);
-                                   K 0: plain decoding; a TreeShape(topk, steps, tokens): tree rounds
-      run = dec.start(prompts, max_new_tokens, eos_id, *, temperature, top_k, top_p, seed, position=None)
-                                   the checks and the prefill -> a `Run`; position: then move every
-                                   request there (a benchmark of long contexts without their prefill)
-      run = dec.rounds(run, n)     n rounds, no host sync, as generate runs them
-      dec.clock()                  seconds, once the device has finished what was queued
-      dec.wait_compiled()          until the steps compiling in the background have landed
-      ms, acceptance = dec.round_ms(prompts, short, long, repeats)   the current K's ms per round
-      dec.tune_k(prompts, ks, ..., on_timed=None)   choose K by timing it (`KChoice`); on_timed(k, ms) per K timed
-      dec.steps                    the current K's steps, uncompiled (`specpass.explain(dec.steps.catch_up, ...)`)
+    `generate` decodes; `start`, `rounds`, `clock`, `round_ms`, `use_k`, `tune_k`, `reserve` and
+    `steps` are its parts, public for benchmarks (docs/loop.md, driving the rounds).
     """
 
-    def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int | TreeShape = 4, max_batch: int,
+    def __init__(self, target: Target, drafter: Drafter | None = None, *, k: int | TreeShape | RoundSpec = 4,
+                 max_batch: int,
                  max_len: int, compile: str | Callable = "specpass", mode: str | None = None,
                  fused_round: bool = False, greedy_drafts: bool = False, compile_prefill: bool = True,
                  skip_guards: bool = True, group: Any = None, check_ranks: bool = False, regional: bool = True,
                  exact: bool = False, background_compile: bool = False):
         check_models(target, drafter)
-        check_k(drafter, k if drafter is not None else 0)  # before any cache is allocated (`use_k` below)
+        spec = self._spec_of(drafter, k if drafter is not None else 0)  # before any cache is allocated
         check_options(max_batch, max_len, compile, compile_prefill, skip_guards, regional)
         check_ranks_option(group, check_ranks)
         check_exact(exact, compile, compile_prefill, group, device_of(target))
@@ -189,8 +181,8 @@ class Decoder:
         # In the background the rounds compile first: an uncompiled prefill costs about what a compiled one does.
         self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, self._batch, saved,
                                       background_compile, priority=1)
-        self._bound: dict[int, Bound] = {}  # K -> its steps and compiled forms (`use_k` switches K)
-        self._use(k if drafter is not None else 0)  # checked above
+        self._bound: dict[int | TreeShape, Bound] = {}  # K -> its steps and compiled forms (`use_k` switches K)
+        self._use(spec)
 
     def _setup_caches(self, max_batch: int) -> None:
         """The models' caches for max_batch requests, then the probe (`checks.probe`), which also
@@ -218,29 +210,31 @@ class Decoder:
     @property
     def k(self) -> int | TreeShape:
         """Draft tokens per round (0: plain decoding), or the tree shape of tree rounds."""
-        return self._k
+        return self._spec.k
 
     @property
     def steps(self) -> Steps:
         """The current K's steps with the models bound, uncompiled: what `specpass.explain` reads."""
-        return self._bound[self._k].steps
+        return self._bound[self.k].steps
 
-    def use_k(self, k: int | TreeShape) -> None:
+    def use_k(self, k: int | TreeShape | RoundSpec) -> None:
         """Decode with K drafts per round from now on (0: the drafter off; a `TreeShape`: tree
-        rounds): the steps with K bound, compiled (lazily) once per K and kept, so switching back
-        compiles nothing."""
-        check_k(self.drafter, k)
-        self._use(k)
+        rounds; a `RoundSpec` that `round_spec` made for this drafter): the steps with K bound,
+        compiled (lazily) once per K and kept, so switching back compiles nothing."""
+        self._use(self._spec_of(self.drafter, k))
 
-    def _use(self, k: int | TreeShape) -> None:
-        if k not in self._bound:
-            self._bound[k] = self._bind(k)
-        self._k = k
+    @staticmethod
+    def _spec_of(drafter: Drafter | None, k: int | TreeShape | RoundSpec) -> RoundSpec:
+        return k if isinstance(k, RoundSpec) else round_spec(drafter, k)
 
-    def _bind(self, k: int | TreeShape) -> Bound:
+    def _use(self, spec: RoundSpec) -> None:
+        if spec.k not in self._bound:
+            self._bound[spec.k] = self._bind(spec)
+        self._spec = spec
+
+    def _bind(self, spec: RoundSpec) -> Bound:
         sampled = not self.greedy_drafts
-        shape = round_shape(self.drafter, k)
-        steps = shape.bind(self.target, self.drafter, k, sampled, self.max_len)
+        steps = spec.bind(self.target, self.drafter, sampled, self.max_len)
         if self.fused_round:
             apart = None
             run_round = InPlaceRound(self._wrap(functools.partial(decode_round_in_place, steps), "decode_round"),
@@ -253,11 +247,11 @@ class Decoder:
         # Prompt lengths vary: one graph with a symbolic length, no CUDA graphs (one would be
         # recorded per length, for one call of large kernels per generate).
         # A shape whose prefill does not read K (the chain's) compiles it once for every K.
-        shared = not shape.prefill_reads_k and next((b for b in self._bound.values() if b.shape is shape), None)
-        hidden_kind = None if shape is PLAIN else self._hidden_kind
+        shared = not spec.prefill_reads_k and next((b for b in self._bound.values() if b.spec.shape is spec.shape), None)
+        hidden_kind = None if spec.shape is PLAIN else self._hidden_kind
         prefill = shared.prefill if shared else self._wrap_prefill(functools.partial(
-            prefill_step, self.target, hidden_kind, shape.prefill_catch_up(self.drafter, k, sampled)), "prefill")
-        return Bound(shape, steps, apart, run_round, prefill)
+            prefill_step, self.target, hidden_kind, spec.prefill_catch_up(self.drafter, sampled)), "prefill")
+        return Bound(spec, steps, apart, run_round, prefill)
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
@@ -303,7 +297,7 @@ class Decoder:
                 on_round(run.state)
 
             timer = PhaseTimer(self.device) if timing and not self.fused_round else None
-            run_round = self._bound[self._k].round if timer is None else self._timed_round(timer)
+            run_round = self._bound[self.k].round if timer is None else self._timed_round(timer)
             rounds, flags, state = 0, DoneFlags(self.device), run.state
             most = max(limits) - 1  # a round emits a token or more for every request still running
             check = self._round_check()
@@ -356,7 +350,7 @@ class Decoder:
             prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed,
             (min_new_tokens, repetition_penalty, penalty_context, no_repeat_ngram_size, ngram_context))
         if position is not None:
-            check_position(position, prompts, limits, self.max_len, self._k, self._bound[self._k].shape.cache_slots)
+            check_position(position, prompts, limits, self.max_len, self._spec)
         run = self._prefill(prompts, limits, eos, params, processing)
         if position is None:
             return run
@@ -369,12 +363,12 @@ class Decoder:
         return (`clock` waits). Requests that finish stay in the batch and emit nothing."""
         if not is_int(n) or n < 0:
             raise ValueError(f"n (rounds to run) must be an int >= 0, got {n!r}")
-        if run.k != self._k:
-            raise ValueError(f"the run was started at K {run.k} and the decoder is at K {self._k}: "
+        if run.k != self.k:
+            raise ValueError(f"the run was started at K {run.k} and the decoder is at K {self.k}: "
                              f"call use_k({run.k!r}) first, or start a new run")
         state, carry = run.state, run.carry
         check = self._round_check()
-        with contextlib.closing(self._replay(self._bound[self._k].round, run, check)) as replay:
+        with contextlib.closing(self._replay(self._bound[self.k].round, run, check)) as replay:
             for _, (state, carry, _) in zip(range(n), replay):
                 pass
         if check is not None:
@@ -391,19 +385,13 @@ class Decoder:
         background.worker.wait()
 
     def round_ms(self, prompts: Sequence[Sequence[int]], short: int, long: int,
-                 repeats: int = 3, sampling: Mapping[str, Any] | None = None) -> tuple[float, list[float]]:
+                 repeats: int = 3, sampling: Mapping[str, Any] | None = None) -> tuple[float, Metrics]:
         """The current K's ms per round on `prompts` (a batch of their number, as `generate` runs
         it): the loop time of a `long`-token generate less a `short` one over the rounds
         between, median of `repeats` (one generate first compiles; on a GPU, records the CUDA
-        graphs), so the prefill and compiling cancel -> (ms, the acceptance per draft position of
-        the last long generate). sampling: generate's temperature / top_k / top_p / seed (default
-        greedy), as the traffic is served: a sampled round costs more, and accepts less."""
-        ms, long_run = self._round_ms(prompts, short, long, repeats, sampling)
-        return ms, long_run.acceptance
-
-    def _round_ms(self, prompts: Sequence[Sequence[int]], short: int, long: int, repeats: int,
-                  sampling: Mapping[str, Any] | None) -> tuple[float, Metrics]:
-        """round_ms -> (ms, the last long generate's Metrics)."""
+        graphs), so the prefill and compiling cancel -> (ms, the last long generate's Metrics:
+        its acceptance per draft position). sampling: generate's temperature / top_k / top_p /
+        seed (default greedy), as the traffic is served: a sampled round costs more, and accepts less."""
         check_timing(short, long, repeats)
         sampling = check_sampling(sampling)
         self.generate(prompts, short, **sampling)  # compiles; on a GPU, records the CUDA graphs
@@ -431,7 +419,7 @@ class Decoder:
         eos = eos_ids(eos_id, B)
         if seed is None and self.ranks is not None:
             seed = self.ranks.shared_seed()  # not one fresh seed per rank
-        prompts = self._check_prompts(prompts, limits, self._k)
+        prompts = check_prompts(prompts, limits, self.vocab_size, self.max_len, self._spec)
         min_new, penalty, penalty_context, ngram, ngram_context = check_processors(
             *processors, prompts, self.vocab_size, self.max_len)
         params = Params.make(B, self._rows(B), self.device, temperature, top_k, top_p, seed)  # None: greedy
@@ -440,15 +428,12 @@ class Decoder:
             self.ranks.check_request({"prompts": fingerprint(prompts), "max_new_tokens": fingerprint(limits),
                                       "eos_id": fingerprint(eos), "sampling parameters": sampling,
                                       "processors": fingerprint(processors),  # as given: contexts default None
-                                      "K": fingerprint(self._k)})
+                                      "K": fingerprint(self.k)})
         if B > self.max_batch:  # every rank grows alike: the prompts were checked equal
             self.reserve(max(B, 2 * self.max_batch))
         processing = Processing.make(self._rows(B), self.vocab_size, self.max_len, self.device, eos, min_new, penalty,
                                      penalty_context, ngram, ngram_context)
         return prompts, limits, eos, params, processing
-
-    def _check_prompts(self, prompts: Sequence[Sequence[int]], limits: list[int], k: int) -> list[list[int]]:
-        return check_prompts(prompts, limits, self.vocab_size, self.max_len, k, round_shape(self.drafter, k).cache_slots)
 
     def _prefill(self, prompts: list[list[int]], limits: list[int], eos: list[list[int]],
                  params: Params | None, processing: Processing | None) -> Run:
@@ -462,7 +447,7 @@ class Decoder:
         tokens = torch.zeros(B, P + 1, dtype=torch.long, device=device)  # [B, P+1]: prompt, then x_n
         tokens[: len(prompts), :P] = right_padded(prompts, P).to(device)
         with self._batch.marking(B, self.max_batch, more=[(tokens, 1)]):  # one graph for every prompt length
-            first, carry = self._bound[self._k].prefill(tokens, lengths, params, processing)
+            first, carry = self._bound[self.k].prefill(tokens, lengths, params, processing)
 
         limit = torch.tensor(limits + [0] * idle, device=device)
         E = max(1, *map(len, eos))
@@ -472,13 +457,13 @@ class Decoder:
         count = (limit > 0).long()
         state = State(last=first, pos=lengths, out=out, count=count, limit=limit, eos=eos_t,
                       done=(count >= limit) | (first[:, None] == eos_t).any(1),
-                      stats=torch.zeros(depth(self._k) + 1, dtype=torch.long, device=device),
+                      stats=torch.zeros(depth(self.k) + 1, dtype=torch.long, device=device),
                       processing=after_emitting(processing, first[:, None], count[:, None] > 0))
-        return Run(state, carry, params, self._k)
+        return Run(state, carry, params, self.k)
 
     def _timed_round(self, timer: PhaseTimer) -> Callable[[State, Carry, Params | None], tuple[State, Carry, Tensor]]:
         """The round with its steps apart, a timer mark after each step and before the round."""
-        steps = Steps(*(timer.timed(name, step) for name, step in zip(Steps._fields, self._bound[self._k].apart)))
+        steps = Steps(*(timer.timed(name, step) for name, step in zip(Steps._fields, self._bound[self.k].apart)))
 
         def run_round(state: State, carry: Carry, params: Params | None) -> tuple[State, Carry, Tensor]:
             timer.mark("between")
@@ -492,7 +477,7 @@ class Decoder:
     def _replay(self, run_round: Callable, run: Run,
                 check: RoundCheck | None = None) -> Iterator[tuple[State, Carry, Tensor]]:
         """Rounds from `run`, one per step of the iteration: (state, carry, all done). Rounds 3 on
-        run without guard evaluation (`runtime.skip_guards`), which ends with the iteration. check:
+        run without guard evaluation (`compiling.skip_guards`), which ends with the iteration. check:
         each round's state compared across ranks (`check_ranks`)."""
         state, carry, params, _ = run
         with contextlib.ExitStack() as unguarded:
@@ -505,4 +490,4 @@ class Decoder:
                     finished = check.observe(number, tensors, finished)
                 yield state, carry, finished
                 if number == 2 and self.skip_guards:
-                    unguarded.enter_context(runtime.skip_guards())
+                    unguarded.enter_context(compiling.skip_guards())

@@ -43,9 +43,9 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from specpass import compile_cache
-from specpass.compile_backend import collecting_reports, log_report, warn
+from specpass.compile_backend import warn
 from specpass.loop import background
-from specpass.report import Report
+from specpass.report import Report, collecting_reports, log_report
 
 log = logging.getLogger("specpass")
 
@@ -64,9 +64,9 @@ def directory() -> Path | None:
 
 class SavedStep:
     """`fn` (a step with its models bound) compiled as one graph under the code object `code`
-    (`runtime.own_code`), saved under `where` (None: not saved), and loaded by later processes. Each
+    (`compiling.own_code`), saved under `where` (None: not saved), and loaded by later processes. Each
     call runs the compiled function whose guards pass, or the one called last while guards are
-    skipped (`runtime.skip_guards`); a call no function serves loads the saved one or compiles, on
+    skipped (`compiling.skip_guards`); a call no function serves loads the saved one or compiles, on
     clones of its tensors marked as `batch` marks them (a saved guard rejects a tensor marked at a
     call and not at the compile).
 

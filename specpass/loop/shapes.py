@@ -9,10 +9,14 @@ which one a drafter gets. One module per shape, each exposing one `RoundShape` o
 
 A shape is chosen by the K it `takes` and the drafter Protocol it needs, so one drafter may run
 several (`Decoder.use_k` switches). A new shape is a module with its object, listed in SHAPES.
+
+`round_spec(drafter, k)` checks K once and returns a `RoundSpec`: the shape with K bound, what
+every later step (the cache's length, the prompts' check, binding the steps) asks instead of K.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -20,7 +24,7 @@ from specpass.loop.chain import CHAIN
 from specpass.loop.parallel import PARALLEL
 from specpass.loop.plain import PLAIN
 from specpass.loop.protocols import Drafter, Target, missing, require
-from specpass.loop.steps import Carry, Steps
+from specpass.loop.steps import Carry, Steps, is_int
 from specpass.loop.tree import TREE, TreeShape
 
 
@@ -66,6 +70,39 @@ def round_shape(drafter: Any, k: object = 1) -> RoundShape:
         raise TypeError(f"the drafter ({type(drafter).__name__}) drafts in no round shape: it lacks "
                         + " or ".join(f"{names} (specpass.{name})" for name, names in lacks.items()))
     return shape
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSpec:
+    """A drafter's rounds at one K (or tree shape): their shape, with K bound (`round_spec`)."""
+
+    shape: RoundShape
+    k: int | TreeShape
+
+    @property
+    def prefill_reads_k(self) -> bool:
+        return self.shape.prefill_reads_k
+
+    def cache_slots(self, prompt_len: int, max_new_tokens: int) -> int:
+        return self.shape.cache_slots(prompt_len, max_new_tokens, self.k)
+
+    def bind(self, target: Target, drafter: Any, sampled: bool, slots: int) -> Steps:
+        return self.shape.bind(target, drafter, self.k, sampled, slots)
+
+    def prefill_catch_up(self, drafter: Any, sampled: bool) -> Callable[..., Carry] | None:
+        return self.shape.prefill_catch_up(drafter, self.k, sampled)
+
+
+def round_spec(drafter: Any, k: Any, name: str = "k") -> RoundSpec:
+    """The one check of K (named `name` where the caller took it: specpass.generate's
+    num_assistant_tokens), whatever the entry point -> the drafter's rounds at K."""
+    if drafter is None and k != 0:
+        raise ValueError(f"plain decoding (drafter=None) drafts nothing: K is 0, got {k!r}")
+    if drafter is not None and not (is_int(k) and k >= 0 or isinstance(k, TreeShape)):
+        hint = f": pass specpass.TreeShape{tuple(k)}" if isinstance(k, (tuple, list)) and len(k) == 3 else ""
+        raise ValueError(f"{name} must be an int >= 0 (draft tokens per round; 0: the drafter off, plain decoding) "
+                         f"or a specpass.TreeShape(topk, steps, tokens) (tree rounds), got {k!r}{hint}")
+    return RoundSpec(round_shape(drafter, k), k)
 
 
 def cache_slots(prompt_len: int, max_new_tokens: int, k: int | TreeShape) -> int:

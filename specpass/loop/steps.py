@@ -212,7 +212,7 @@ def decode_round(steps: Steps, state: State, carry: Carry,
 
 def decode_round_in_place(steps: Steps, state: State, carry: Carry, params: Params | None) -> Tensor:
     """`decode_round` writing the next state and carry over these ones -> all done. The loop's
-    fused round: its state and carry stay in the same buffers from round to round (`runtime.InPlaceRound`),
+    fused round: its state and carry stay in the same buffers from round to round (`round_buffers.InPlaceRound`),
     so a CUDA graph's replay neither copies them in nor has its outputs cloned."""
     new_state, new_carry, finished = decode_round(steps, state, carry, params)
     for old, new in zip(pytree.tree_leaves((state, carry)), pytree.tree_leaves((new_state, new_carry))):

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from specpass.loop.checks import check_k, check_sampling, check_tuning
+from specpass.loop.checks import check_prompts, check_sampling, check_tuning
 from specpass.loop.cost import (KChoice, batch_busy, choose_k, expected_accept_length, next_k_to_time,
                                 pooled_acceptance, price)
-from specpass.loop.shapes import round_shape
+from specpass.loop.shapes import round_spec
 from specpass.loop.tree import TreeShape
 
 
@@ -62,23 +62,23 @@ def tune_k(decoder: Any, prompts: Sequence[Sequence[int]], ks: Sequence[int] = (
                          "(drafts_nest is False: a DFlash block): leave it None, each K's is measured")
     sampling = check_sampling(sampling)
     for tree in trees:
-        check_k(decoder.drafter, tree)
         if not isinstance(tree, TreeShape):
             raise ValueError(f"trees must hold specpass.TreeShape values, got {tree!r}")
     short, long = new_tokens
     batches = [prompts[i:i + decoder.max_batch] for i in range(0, len(prompts), decoder.max_batch)] or [prompts]
-    for k in [*timed, *trees]:  # every K fits the caches, checked before anything compiles
+    specs = {k: round_spec(decoder.drafter, k) for k in [*timed, *trees]}
+    for k, spec in specs.items():  # every K fits the caches, checked before anything compiles
         try:
             for batch in batches:
-                decoder._check_prompts(batch, [long] * len(batch), k)
+                check_prompts(batch, [long] * len(batch), decoder.vocab_size, decoder.max_len, spec)
         except ValueError as exc:
             raise ValueError(f"tuning at K = {k}: {exc}") from None
     longest = max(len(p) for p in prompts)
-    fits = lambda k: round_shape(decoder.drafter, k).cache_slots(longest, long, k) <= decoder.max_len  # noqa: E731
+    fits = lambda k: round_spec(decoder.drafter, k).cache_slots(longest, long) <= decoder.max_len  # noqa: E731
 
     def time_k(k: int) -> tuple[float, list[float]]:
-        decoder.use_k(k)
-        ms, run = decoder._round_ms(batches[0], short, long, repeats, sampling)
+        decoder.use_k(specs.get(k, k))
+        ms, run = decoder.round_ms(batches[0], short, long, repeats, sampling)
         runs = [decoder.generate(batch, long, **sampling).metrics for batch in batches] if len(batches) > 1 else [run]
         busy[k] = batch_busy(runs, [len(batch) for batch in batches])
         if on_timed is not None:

@@ -1,14 +1,12 @@
-"""Compiling and running the loop's steps: each step compiled under a code object of its own with
-its batch symbolic (again without CUDA graphs where they cannot capture it), the skip-guards stance of
-the later rounds, the fused round's state kept in
-place, CUDA-graph replays' outputs cloned (steps apart), the prompts as a tensor, the host's read of the
-done flag, the phase timer."""
+"""Compiling the loop's steps: each under a code object of its own, as one graph, with the batch
+symbolic (`SymbolicBatch`) and every other size static; saved once compiled (`saved_steps`) or
+compiled in the background (`background`); again without CUDA graphs where they cannot capture it,
+or uncompiled (warned) where Dynamo cannot trace it whole; and the later rounds' stance without
+guard evaluation (`skip_guards`)."""
 
 from __future__ import annotations
 
-import array
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,11 +14,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from specpass.compile_backend import ExactModeError, backend, default_backend, log_report, warn
+from specpass.compile_backend import ExactModeError, backend, default_backend, warn
 from specpass.loop import saved_steps
 from specpass.loop.steps import State
 from specpass.options import Options
-from specpass.report import Report
+from specpass.report import Report, log_report
 
 COMPILERS = ("specpass", "inductor", "eager")
 
@@ -217,144 +215,3 @@ def skip_guards() -> contextlib.AbstractContextManager:
     """
     stance = torch._dynamo.eval_frame._stance  # private: set_stance has no getter
     return torch.compiler.set_stance(stance.stance, skip_guard_eval_unsafe=True, force_backend=stance.backend)
-
-
-def clone(value: Any) -> Any:
-    """A copy of a CUDA-graph replay's outputs (tensors in nested tuples), which the next replay overwrites."""
-    if isinstance(value, Tensor):
-        return value.clone()
-    if isinstance(value, tuple):
-        items = map(clone, value)
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    return value
-
-
-def replayed(run_round: Callable) -> Callable:
-    """run_round (state, carry, params) -> (state, carry, done) as CUDA graphs replay it: a new
-    step of the graph trees begins, and the state and carry that cross rounds are cloned (the
-    next replay overwrites its outputs). The done flag is read before that."""
-
-    def run(state: Any, carry: Any, params: Any) -> tuple[Any, Any, Tensor]:
-        torch.compiler.cudagraph_mark_step_begin()
-        state, carry, finished = run_round(state, carry, params)
-        return clone(state), clone(carry), finished
-
-    return run
-
-
-class InPlaceRound:
-    """The fused round as the loop calls it, (state, carry, params) -> (state, carry, all done), from
-    `run_round` (`steps.decode_round_in_place`), which writes the next state and carry over the
-    ones it gets. They live in buffers of this round's own, one set per batch size, marked static:
-    CUDA graphs take them at their addresses, so a replay neither copies them in nor needs its
-    outputs cloned (`replayed` does both: 16 copies a step of plain decoding, docs/results.md). A
-    state from elsewhere (the prefill, another K's round) is copied in first. So a `Run` this round
-    returns holds these buffers: the next run at this K and batch size overwrites it."""
-
-    def __init__(self, run_round: Callable, cudagraphs: bool):
-        self.run_round, self.cudagraphs = run_round, cudagraphs
-        self.buffers: dict[tuple, tuple[Any, Any]] = {}  # the leaves' shapes and dtypes -> (state, carry)
-
-    def __call__(self, state: Any, carry: Any, params: Any) -> tuple[Any, Any, Tensor]:
-        if self.cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        if not any(state is own[0] and carry is own[1] for own in self.buffers.values()):  # rounds 2 on: in place
-            state, carry = self._copied_in(state, carry)
-        return state, carry, self.run_round(state, carry, params)
-
-    def _copied_in(self, state: Any, carry: Any) -> tuple[Any, Any]:
-        leaves, spec = pytree.tree_flatten((state, carry))  # tensors, and None where a field is unused
-        key = (str(spec), tuple((t.shape, t.dtype) if isinstance(t, Tensor) else t for t in leaves))
-        if key not in self.buffers:
-            own = [torch.empty_like(t) if isinstance(t, Tensor) else t for t in leaves]
-            for t in own:
-                if isinstance(t, Tensor):
-                    torch._dynamo.mark_static_address(t)
-            self.buffers[key] = pytree.tree_unflatten(own, spec)
-        own_state, own_carry = self.buffers[key]
-        for mine, given in zip(pytree.tree_leaves((own_state, own_carry)), leaves):
-            if mine is not given:
-                mine.copy_(given)
-        return own_state, own_carry
-
-
-def right_padded(prompts: list[list[int]], width: int) -> Tensor:
-    """The prompts as int64 rows [len(prompts), width] on the CPU, zeros after each: each prompt copied
-    into one array whole, where torch.tensor of nested lists converts every token on its own, on the
-    host's time inside the prefill."""
-    rows = array.array("q", bytes(8 * len(prompts) * width))
-    for i, prompt in enumerate(prompts):
-        rows[i * width: i * width + len(prompt)] = array.array("q", prompt)
-    return torch.frombuffer(rows, dtype=torch.long).view(len(prompts), width)
-
-
-def clock(device: torch.device) -> float:
-    """Seconds, after the device has finished what was queued."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-class DoneFlags:
-    """The host's view of "all done". On a GPU, `push` reads the previous round's flag (copied to
-    pinned memory as that round ends) while this round runs, so the device never idles waiting
-    for the host; where an EOS ends the batch, that costs one round after the last, which runs on
-    finished requests and emits nothing (`lag` = 1; a batch that ends on its budgets stops at its
-    last round, counted by the driver). On a CPU the flag is read at once."""
-
-    def __init__(self, device: torch.device):
-        self.lag = int(device.type == "cuda")
-        self.pending: list[tuple[Tensor, Any]] = []
-        self.waited = 0.0  # seconds the host sat waiting for a round to end: the rest of a loop is host work
-
-    def push(self, finished: Tensor) -> bool:
-        if not self.lag:
-            return bool(finished.item())
-        event = torch.cuda.Event()
-        self.pending.append((finished.to("cpu", non_blocking=True), event))
-        event.record()
-        if len(self.pending) <= self.lag:
-            return False
-        flag, event = self.pending.pop(0)
-        start = time.perf_counter()
-        event.synchronize()
-        self.waited += time.perf_counter() - start
-        return bool(flag.item())
-
-
-class PhaseTimer:
-    """Time per phase of the round without host syncs: a CUDA event (on CPU the host clock) is
-    recorded after each phase; the totals are read once, after the loop."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list[tuple[str, Any]] = []  # (the phase that just ended, event or time)
-
-    def mark(self, phase: str) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append((phase, event))
-        else:
-            self.marks.append((phase, time.perf_counter()))
-
-    def timed(self, phase: str, step: Callable | None) -> Callable | None:
-        if step is None:
-            return None
-
-        def run(*args: Any) -> Any:
-            out = step(*args)
-            self.mark(phase)
-            return out
-
-        return run
-
-    def totals(self) -> dict[str, float]:
-        """Seconds per phase; "between" is the host loop between rounds (the sync, the copies)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        totals: dict[str, float] = {}
-        for (_, start), (phase, end) in zip(self.marks, self.marks[1:]):
-            seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
-            totals[phase] = totals.get(phase, 0.0) + seconds
-        return totals
