@@ -220,7 +220,7 @@ def test_options_specpass_does_not_apply_are_refused_by_name():
     config = transformers.GenerationConfig(suppress_tokens=[5], min_new_tokens=3, bad_words_ids=[[5]])
     _refusal(r"generation_config sets bad_words_ids=\[\[5\]\], suppress_tokens=\[5\], which", generation_config=config)
     for name, value in (("suppress_tokens", [5]), ("stopping_criteria", transformers.StoppingCriteriaList()),
-                        ("logits_processor", transformers.LogitsProcessorList())):
+                        ("prefix_allowed_tokens_fn", lambda batch_id, ids: [1])):
         _refusal(f"specpass.generate does not apply {name} ", **{name: value})
     _refusal(r"unexpected keyword arguments \['nonsense'\]", error=TypeError, nonsense=1)
     _refusal("stop_strings needs the model's tokenizer", stop_strings=["ab"])

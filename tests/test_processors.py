@@ -1,5 +1,5 @@
 """Logits processors that read the prefix (min_new_tokens, min_length, repetition_penalty,
-no_repeat_ngram_size) under
+no_repeat_ngram_size, and any other through logits_processor: a toy grammar here) under
 speculation: every verified position processed with the prefix plain decoding had there.
 
 Greedy tokens against references the loop does not compute: `model.generate` with the same options
@@ -11,10 +11,13 @@ processed distribution; a rule that forgets the drafts on the way to a row is re
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from transformers.generation.logits_process import (LogitsProcessorList, MinNewTokensLengthLogitsProcessor,
-                                                    NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor)
+from transformers.generation.logits_process import (LogitsProcessor, LogitsProcessorList,
+                                                    MinNewTokensLengthLogitsProcessor, NoRepeatNGramLogitsProcessor,
+                                                    RepetitionPenaltyLogitsProcessor)
 
 import specpass
 from benchmarks.generate_sweep import IDS, build_pair
@@ -87,6 +90,33 @@ def test_generation_config_s_processors_are_read(pair):
     assert torch.equal(got, want)
 
 
+class Grammar(LogitsProcessor):
+    """A toy grammar, a function of input_ids: after token t, at prefix length L, a token u may follow
+    only if (u + t + L) % 3 != 0. It reads the last token and the length, so a row processed with
+    another position's prefix picks other tokens."""
+
+    def __call__(self, input_ids, scores):
+        u = torch.arange(scores.shape[-1], device=scores.device)
+        banned = (u + input_ids[:, -1:] + input_ids.shape[1]) % 3 == 0
+        return scores.masked_fill(banned, float("-inf"))
+
+
+@pytest.mark.parametrize("k", [0, 3, TREE], ids=["plain", "chain", "tree"])
+def test_a_custom_processor_gives_model_generate_s_tokens(pair, k):
+    model, draft = pair
+    for rows in ([1], [0, 1, 2]):
+        with_grammar = dict(logits_processor=LogitsProcessorList([Grammar()]), repetition_penalty=1.2)
+        want = model.generate(IDS[rows], attention_mask=MASK[rows], max_new_tokens=NEW, do_sample=False,
+                              **with_grammar)
+        unprocessed = model.generate(IDS[rows], attention_mask=MASK[rows], max_new_tokens=NEW, do_sample=False,
+                                     repetition_penalty=1.2)
+        assert not torch.equal(want, unprocessed), "the grammar must change the tokens"
+        with pytest.warns(specpass.SpecpassWarning, match="logits_processor runs on the host"):
+            got = specpass.generate(model, IDS[rows], attention_mask=MASK[rows], assistant_model=draft if k else None,
+                                    num_assistant_tokens=k, max_new_tokens=NEW, **with_grammar)
+        assert torch.equal(got, want), (rows, k, got.tolist(), want.tolist())
+
+
 # --- zoo targets: chain, tree and block rounds against a recompute through transformers' processors
 
 PROMPTS = [[3, 14, 15, 3], [9, 2, 6, 5, 35, 89, 79, 32, 38], [46]]
@@ -94,12 +124,16 @@ ZOO_NEW = 16
 
 
 @torch.no_grad()
-def recompute(target, prompt, new, penalty, min_new, eos, ngram):
+def recompute(target, prompt, new, penalty, min_new, eos, ngram, extra=()):
     """Greedy decoding by recomputing the whole sequence each token, its logits through transformers'
     RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor and MinNewTokensLengthLogitsProcessor;
     stops at an EOS."""
-    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty), NoRepeatNGramLogitsProcessor(ngram),
-                                      MinNewTokensLengthLogitsProcessor(len(prompt), min_new, torch.tensor(eos))])
+    processors = [RepetitionPenaltyLogitsProcessor(penalty)]
+    if ngram:
+        processors.append(NoRepeatNGramLogitsProcessor(ngram))
+    if min_new:
+        processors.append(MinNewTokensLengthLogitsProcessor(len(prompt), min_new, torch.tensor(eos)))
+    processors = LogitsProcessorList([*processors, *extra])
     seq = list(prompt)
     for _ in range(new):
         target.setup_caches(1, len(seq))
@@ -127,6 +161,23 @@ def test_zoo_rounds_equal_a_recompute_through_transformers_processors(round_):
     out = dec.generate(PROMPTS, ZOO_NEW, eos_id=[eos] * 3, repetition_penalty=1.4, min_new_tokens=6,
                        no_repeat_ngram_size=2)
     assert out.tokens == want, round_
+
+
+@pytest.mark.parametrize("round_", ["chain", "tree", "block"])
+def test_zoo_rounds_with_a_custom_processor_equal_a_recompute(round_):
+    target = zoo.build("tiny-llama", seed=0)
+    eos = [5]
+    want = [recompute(target, p, ZOO_NEW, 1.1, 0, eos, 0, extra=[Grammar()]) for p in PROMPTS]
+    assert want != [recompute(target, p, ZOO_NEW, 1.1, 0, eos, 0) for p in PROMPTS]
+    if round_ == "block":
+        drafter, k = zoo.build("tiny-llama-dflash", seed=4, target=target), 3
+    else:  # the target's copy, unprocessed: its drafts are accepted where the grammar allows them
+        drafter, k = ZooDrafter(copy.deepcopy(target)), (3 if round_ == "chain" else TREE)
+    dec = Decoder(target, drafter, k=k, max_batch=3, max_len=cache_slots(9, ZOO_NEW, k) + 16, compile="eager")
+    out = dec.generate(PROMPTS, ZOO_NEW, eos_id=[eos] * 3, repetition_penalty=1.1,
+                       logits_processor=LogitsProcessorList([Grammar()]))
+    assert out.tokens == want, round_
+    assert round_ == "block" or out.metrics.accept_length > 1.5, out.metrics  # rows after drafts decide tokens
 
 
 # --- sampled: the processed distribution kept
@@ -202,5 +253,13 @@ def test_bad_processor_options_are_named(sampling_target):
         dec.generate([PROMPT], 2, repetition_penalty=1.2, penalty_context=[[99]])
     with pytest.raises(ValueError, match=r"no_repeat_ngram_size must be an int >= 0 \(0: off\), got 1.5"):
         dec.generate([PROMPT], 2, no_repeat_ngram_size=1.5)
-    with pytest.raises(ValueError, match=r"ngram_context holds 16 ids, as many as the caches' 16 slots"):
-        dec.generate([PROMPT], 2, no_repeat_ngram_size=2, ngram_context=[[1] * 16])
+    with pytest.raises(ValueError, match=r"prefix_context holds 16 ids, as many as the caches' 16 slots"):
+        dec.generate([PROMPT], 2, no_repeat_ngram_size=2, prefix_context=[[1] * 16])
+    with pytest.raises(ValueError, match=r"logits_processor must be callable as \(input_ids, scores\) -> scores"):
+        dec.generate([PROMPT], 2, logits_processor=3)
+    with pytest.raises(ValueError, match=r"prefix_context holds an empty row: logits_processor reads"):
+        dec.generate([PROMPT], 2, logits_processor=Grammar(), prefix_context=[[]])
+    compiled = Decoder(sampling_target, None, max_batch=2, max_len=16, compile=specpass.backend(handoff="eager"))
+    with pytest.raises(ValueError, match=r"logits_processor runs on the host at every verified position, which a "
+                                         r"compiled step cannot call out to: use Decoder\(compile='eager'\)"):
+        compiled.generate([PROMPT], 2, logits_processor=Grammar())

@@ -121,7 +121,8 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
              mode: str | None = None, fused_round: bool | None = None, cache_len: int | None = None,
              max_batch: int | None = None, return_dict_in_generate: bool = False,
              decoder_cache: DecoderCache | None = None, exact: bool = False, streamer: Any = None,
-             background_compile: bool = False, **sampling: Any) -> Tensor | GenerateOutput:
+             background_compile: bool = False, logits_processor: Any = None,
+             **sampling: Any) -> Tensor | GenerateOutput:
     """Lossless speculative decoding of `model`, greedy or sampled; see docs/hf.md.
 
     assistant_model: None (plain decoding, compiled the same way), a transformers causal LM with the
@@ -137,6 +138,9 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     min_new_tokens, min_length, repetition_penalty, no_repeat_ngram_size: transformers' logits
       processors, applied at every verified position with the prefix plain decoding has there
       (loop/processors.py).
+    logits_processor: any other transformers processor (a `LogitsProcessorList`, e.g. a grammar's),
+      applied after those above at every verified position with its prefix as input_ids (one
+      request at a time); it runs on the host, so the steps run uncompiled (compile="eager").
     stop_strings (with tokenizer=): a request stops after the token that completes one, as with
       transformers' `StopStringCriteria`.
       streamer: transformers' streamer protocol, one request, a round's tokens at a time.
@@ -185,6 +189,14 @@ def generate(model: nn.Module, input_ids: Tensor, *, max_new_tokens: int, attent
     processors = {name: sampling.pop(name) for name in PROCESSORS if name in sampling}
     options = _sampling(config, do_sample if do_sample is not None else bool(config.do_sample), sampling)
     options |= _processors(config, processors, input_ids, prompts)
+    if logits_processor is not None and not (isinstance(logits_processor, list) and not logits_processor):
+        if exact:
+            raise ValueError("exact=True with logits_processor is not supported: the processor runs on the host, "
+                             "so the steps run uncompiled, and exact mode needs them compiled")
+        warn("logits_processor runs on the host at every verified position (a round trip each): the steps run "
+             "uncompiled")
+        options |= {"logits_processor": logits_processor, "prefix_context": input_ids.tolist()}
+        compile = "eager"
 
     need = spec.cache_slots(max(map(len, prompts)), max_new_tokens)
     if cache_len is not None and cache_len < need:
@@ -411,7 +423,8 @@ def _sampling(config: Any, do_sample: bool, sampling: dict[str, Any]) -> dict[st
     if unapplied:
         raise ValueError(f"specpass.generate does not apply {', '.join(unapplied)} (model.generate's "
                          f"generation options it takes: eos_token_id, pad_token_id, do_sample, {', '.join(SAMPLING)}, "
-                         f"{', '.join(PROCESSORS)}, stop_strings, max_new_tokens, streamer, generation_config)")
+                         f"{', '.join(PROCESSORS)}, logits_processor, stop_strings, max_new_tokens, streamer, "
+                         "generation_config)")
     if unknown:
         raise TypeError(f"generate() got unexpected keyword arguments {unknown}")
     if not do_sample:
@@ -445,7 +458,7 @@ def _processors(config: Any, given: dict[str, Any], input_ids: Tensor, prompts: 
         options["penalty_context"] = prompts if _penalty_skips_padding() else input_ids.tolist()
     if chosen["no_repeat_ngram_size"]:  # it reads input_ids whole, padding included
         options["no_repeat_ngram_size"] = chosen["no_repeat_ngram_size"]
-        options["ngram_context"] = input_ids.tolist()
+        options["prefix_context"] = input_ids.tolist()
     return options
 
 

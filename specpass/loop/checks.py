@@ -4,7 +4,7 @@ is compiled or run."""
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -213,23 +213,34 @@ SAMPLING_ARGUMENTS = ("temperature", "top_k", "top_p", "seed")
 
 
 def check_processors(min_new_tokens: Any, repetition_penalty: Any, penalty_context: Any, no_repeat_ngram_size: Any,
-                     ngram_context: Any, prompts: list[list[int]], vocab: int, max_len: int,
-                     ) -> tuple[list[int], list[float], list[list[int]], int, list[list[int]]]:
+                     prefix_context: Any, logits_processor: Any, prompts: list[list[int]], vocab: int, max_len: int,
+                     compiles: bool, sharded: bool,
+                     ) -> tuple[list[int], list[float], list[list[int]], int, list[list[int]], Callable | None]:
     """generate's logits processors, one value for all requests or one each -> (min_new_tokens,
     repetition penalties, the ids each penalty reads before the emitted ones, the n-gram size, the
-    ids the n-gram ban reads before the emitted ones)."""
+    ids the n-gram ban and logits_processor read before the emitted ones, logits_processor)."""
     B = len(prompts)
     min_new = per_request(min_new_tokens, B, "min_new_tokens", int, lambda v: v >= 0, ">= 0 (0: off)")
     penalty = per_request(repetition_penalty, B, "repetition_penalty", float, lambda p: 0 < p < float("inf"),
                           "> 0 and finite (1: off; transformers' rule: > 1 penalizes repeats)")
     if not is_int(no_repeat_ngram_size) or no_repeat_ngram_size < 0:
         raise ValueError(f"no_repeat_ngram_size must be an int >= 0 (0: off), got {no_repeat_ngram_size!r}")
-    ngram_context = _context("ngram_context", ngram_context, prompts, vocab, "the n-gram ban")
-    if no_repeat_ngram_size and max(map(len, ngram_context)) >= max_len:
-        raise ValueError(f"ngram_context holds {max(map(len, ngram_context))} ids, as many as the caches' {max_len} "
+    if logits_processor is not None and not callable(logits_processor):
+        raise ValueError(f"logits_processor must be callable as (input_ids, scores) -> scores (a transformers "
+                         f"LogitsProcessorList), got {logits_processor!r:.200}")
+    if logits_processor is not None and (compiles or sharded):
+        raise ValueError("logits_processor runs on the host at every verified position, which a compiled step "
+                         "cannot call out to: use Decoder(compile='eager') (one process), or the processors "
+                         "that run compiled (min_new_tokens, repetition_penalty, no_repeat_ngram_size)")
+    prefix_context = _context("prefix_context", prefix_context, prompts, vocab, "the n-gram ban and logits_processor")
+    if logits_processor is not None and not all(prefix_context):
+        raise ValueError("prefix_context holds an empty row: logits_processor reads each request's prefix, which "
+                         "is never empty (transformers passes input_ids)")
+    if (no_repeat_ngram_size or logits_processor is not None) and max(map(len, prefix_context)) >= max_len:
+        raise ValueError(f"prefix_context holds {max(map(len, prefix_context))} ids, as many as the caches' {max_len} "
                          "slots or more: it must leave room for the new tokens")
     return (min_new, penalty, _context("penalty_context", penalty_context, prompts, vocab, "the repetition penalty"),
-            no_repeat_ngram_size, ngram_context)
+            no_repeat_ngram_size, prefix_context, logits_processor)
 
 
 def _context(name: str, context: Any, prompts: list[list[int]], vocab: int, reader: str) -> list[list[int]]:

@@ -177,6 +177,7 @@ class Decoder:
         self._batch = SymbolicBatch()
         saved = self.ranks is None  # sharded steps compile in each process
         self.background_compile = background_compile
+        self.compiles = compile != "eager"  # a host callback inside a step (logits_processor) needs it False
         self._wrap = compiler(compile, mode, self._batch, saved, background_compile)
         # In the background the rounds compile first: an uncompiled prefill costs about what a compiled one does.
         self._wrap_prefill = compiler(compile if compile_prefill else "eager", None, self._batch, saved,
@@ -260,7 +261,8 @@ class Decoder:
                  top_p: float | Sequence[float] | None = None, seed: int | Sequence[int] | None = None,
                  min_new_tokens: int | Sequence[int] = 0, repetition_penalty: float | Sequence[float] = 1.0,
                  penalty_context: Sequence[Sequence[int]] | None = None, no_repeat_ngram_size: int = 0,
-                 ngram_context: Sequence[Sequence[int]] | None = None,
+                 prefix_context: Sequence[Sequence[int]] | None = None,
+                 logits_processor: Callable[[Tensor, Tensor], Tensor] | None = None,
                  on_round: Callable[[State], None] | None = None) -> Output:
         """Decode each prompt; per-request `max_new_tokens`, `eos_id` and sampling parameters (a
         value for all or one per prompt). A request's `eos_id` may be several ids, any of which stops
@@ -274,9 +276,15 @@ class Decoder:
         min_new_tokens, repetition_penalty, no_repeat_ngram_size: transformers' logits processors of
           those names, applied to the target's logits at every position with the prefix plain
           decoding would have there (processors.py): the same greedy tokens as plain decoding with
-          them, and the processed distribution when sampling. penalty_context, ngram_context: per
-          request, the ids the penalty and the n-gram ban read before the emitted ones (default:
-          the prompt; transformers reads its input_ids, a left-padded batch's padding included).
+          them, and the processed distribution when sampling. penalty_context, prefix_context: per
+          request, the ids the penalty (and the n-gram ban and logits_processor) read before the
+          emitted ones (default: the prompt; transformers reads its input_ids, a left-padded
+          batch's padding included).
+        logits_processor(input_ids [1, L], scores [1, V]) -> scores: any other processor, e.g.
+          transformers' `LogitsProcessorList`, called on the host for every verified position of
+          every request (one request at a time, as fp32 scores after the processors above), with the
+          prefix plain decoding has there: a function of its arguments, as transformers' own are
+          (speculation calls it at positions it then rejects). Needs compile="eager".
         timing=True also splits the round time into its steps (steps compiled apart): CUDA events
         (the host clock on CPU) after each step, read once at the end, so no sync is added.
         on_round(state): called after the prefill and after each round with its `State` (`out`,
@@ -286,7 +294,8 @@ class Decoder:
         B = len(prompts)
         prompts, limits, eos, params, processing = self._request(
             prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed,
-            (min_new_tokens, repetition_penalty, penalty_context, no_repeat_ngram_size, ngram_context))
+            (min_new_tokens, repetition_penalty, penalty_context, no_repeat_ngram_size, prefix_context,
+             logits_processor))
         with contextlib.ExitStack() as held:  # round 1's compile queued before the prefill's (`background`)
             if self.background_compile:
                 held.enter_context(background.worker.holding())
@@ -336,8 +345,8 @@ class Decoder:
               top_k: int | Sequence[int] | None = None, top_p: float | Sequence[float] | None = None,
               seed: int | Sequence[int] | None = None, min_new_tokens: int | Sequence[int] = 0,
               repetition_penalty: float | Sequence[float] = 1.0, penalty_context: Sequence[Sequence[int]] | None = None,
-              no_repeat_ngram_size: int = 0, ngram_context: Sequence[Sequence[int]] | None = None,
-              position: int | None = None) -> Run:
+              no_repeat_ngram_size: int = 0, prefix_context: Sequence[Sequence[int]] | None = None,
+              logits_processor: Callable[[Tensor, Tensor], Tensor] | None = None, position: int | None = None) -> Run:
         """The checks and the prefill of `generate` (the same arguments) -> the first round's `Run`;
         each request has emitted its first token.
 
@@ -348,7 +357,8 @@ class Decoder:
         """
         prompts, limits, eos, params, processing = self._request(
             prompts, max_new_tokens, eos_id, temperature, top_k, top_p, seed,
-            (min_new_tokens, repetition_penalty, penalty_context, no_repeat_ngram_size, ngram_context))
+            (min_new_tokens, repetition_penalty, penalty_context, no_repeat_ngram_size, prefix_context,
+             logits_processor))
         if position is not None:
             check_position(position, prompts, limits, self.max_len, self._spec)
         run = self._prefill(prompts, limits, eos, params, processing)
@@ -420,8 +430,8 @@ class Decoder:
         if seed is None and self.ranks is not None:
             seed = self.ranks.shared_seed()  # not one fresh seed per rank
         prompts = check_prompts(prompts, limits, self.vocab_size, self.max_len, self._spec)
-        min_new, penalty, penalty_context, ngram, ngram_context = check_processors(
-            *processors, prompts, self.vocab_size, self.max_len)
+        min_new, penalty, penalty_context, ngram, prefix_context, custom = check_processors(
+            *processors, prompts, self.vocab_size, self.max_len, self.compiles, self.ranks is not None)
         params = Params.make(B, self._rows(B), self.device, temperature, top_k, top_p, seed)  # None: greedy
         if self.ranks is not None:
             sampling = -1 if params is None else checksum(*(t for t in params if t is not None))
@@ -432,7 +442,7 @@ class Decoder:
         if B > self.max_batch:  # every rank grows alike: the prompts were checked equal
             self.reserve(max(B, 2 * self.max_batch))
         processing = Processing.make(self._rows(B), self.vocab_size, self.max_len, self.device, eos, min_new, penalty,
-                                     penalty_context, ngram, ngram_context)
+                                     penalty_context, ngram, prefix_context, custom)
         return prompts, limits, eos, params, processing
 
     def _prefill(self, prompts: list[list[int]], limits: list[int], eos: list[list[int]],

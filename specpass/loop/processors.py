@@ -1,4 +1,5 @@
-"""transformers' logits processors that read the prefix, in tensor form, inside the compiled steps.
+"""transformers' logits processors that read the prefix, in tensor form, inside the compiled steps;
+and any other processor, called on the host per verified position.
 
 A processor changes the target's logits before a token is chosen from them (greedy or drawn), and
 what it does depends on the tokens before that position. Under speculation one verify scores
@@ -13,7 +14,11 @@ unprocessed; the acceptance corrects for it, as for any draft distribution).
     repetition_penalty    a logit of a token in the prefix (`penalty_context`, then the emitted
                           tokens) is divided by the penalty, or multiplied where negative
     no_repeat_ngram_size  a token that would complete an n-gram already in the prefix
-                          (`ngram_context`, then the emitted tokens) is not chosen
+                          (`prefix_context`, then the emitted tokens) is not chosen
+    custom                any (input_ids, scores) -> scores, last (transformers appends a user's
+                          processors to its own): called once per verified position of each
+                          request, with that position's prefix as input_ids [1, L]; on the host,
+                          so its steps run uncompiled
 
 The contexts are what transformers reads before the new tokens: its input_ids (a left-padded
 batch's padding included, except where a processor leaves it out). Processing runs on the fp32
@@ -23,7 +28,7 @@ logits (transformers casts them before its processors). A Decoder that processes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -38,19 +43,22 @@ class Processing(NamedTuple):
     penalty: Tensor | None  # [B] fp32 repetition penalty (1: off)
     seen: Tensor | None  # [B, V] bool: the tokens the penalty reads (its context, then each emitted token)
     ngram: int | None  # no_repeat_ngram_size, one for the batch
-    history: Tensor | None  # [B, W] int64: the n-gram context, then the emitted tokens; past `length` scratch
+    history: Tensor | None  # [B, W] int64: the prefix context, then the emitted tokens; past `length` scratch
     length: Tensor | None  # [B] int64: tokens in `history`
+    custom: Callable[[Tensor, Tensor], Tensor] | None = None  # any other processor (input_ids, scores) -> scores
 
     @staticmethod
     def make(rows: int, vocab: int, width: int, device: torch.device, eos: list[list[int]], min_new: Sequence[int],
              penalty: Sequence[float], penalty_context: Sequence[Sequence[int]], ngram: int,
-             ngram_context: Sequence[Sequence[int]]) -> "Processing | None":
+             prefix_context: Sequence[Sequence[int]], custom: Callable | None = None) -> "Processing | None":
         """Per request (padded to `rows` with idle rows): its EOS ids, min_new_tokens, repetition
-        penalty and what it reads before the emitted tokens; the n-gram size for all and what it
-        reads, in `width` columns of history. None when no request processes anything."""
+        penalty and what it reads before the emitted tokens; the n-gram size and the custom processor
+        for all, and what they read, in `width` columns of history. None when no request processes
+        anything."""
         holds = any(m > 0 and ids for m, ids in zip(min_new, eos))
         penalizes = any(p != 1.0 for p in penalty)
-        if not (holds or penalizes or ngram):
+        reads_prefix = bool(ngram) or custom is not None
+        if not (holds or penalizes or reads_prefix):
             return None
         idle = rows - len(eos)
         held = seen = history = None
@@ -62,11 +70,11 @@ class Processing(NamedTuple):
             seen = torch.zeros(rows, vocab, dtype=torch.bool)
             for b, ids in enumerate(penalty_context):
                 seen[b, list(ids)] = True
-        if ngram:
+        if reads_prefix:
             history = torch.zeros(rows, width, dtype=torch.long)
-            for b, ids in enumerate(ngram_context):
+            for b, ids in enumerate(prefix_context):
                 history[b, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
-        lengths = [len(ids) for ids in ngram_context] + [0] * idle if ngram else None
+        lengths = [len(ids) for ids in prefix_context] + [0] * idle if reads_prefix else None
         return Processing(
             min_new=torch.tensor(list(min_new) + [0] * idle, device=device) if holds else None,
             eos=held.to(device) if holds else None,
@@ -74,8 +82,9 @@ class Processing(NamedTuple):
                      if penalizes else None),
             seen=seen.to(device) if penalizes else None,
             ngram=ngram or None,
-            history=history.to(device) if ngram else None,
-            length=torch.tensor(lengths, device=device) if ngram else None)
+            history=history.to(device) if reads_prefix else None,
+            length=torch.tensor(lengths, device=device) if reads_prefix else None,
+            custom=custom)
 
 
 def processed(processing: Processing | None, logits: Tensor, count: Tensor, tokens: Tensor, depth: Tensor,
@@ -100,7 +109,34 @@ def processed(processing: Processing | None, logits: Tensor, count: Tensor, toke
     if processing.min_new is not None:
         holding = count[:, None] + depth < processing.min_new[:, None]  # [B, N]
         logits = logits.masked_fill(holding[..., None] & processing.eos[:, None, :], float("-inf"))
+    if processing.custom is not None:
+        logits = _custom(processing, logits, tokens, depth, reads)
     return logits
+
+
+def _custom(processing: Processing, logits: Tensor, tokens: Tensor, depth: Tensor, reads: Tensor) -> Tensor:
+    """The custom processor at each row of each request that has a prefix (an idle row has none):
+    input_ids [1, L] row j's prefix, scores [1, V] its logits."""
+    ext, size = _prefixes(processing, tokens, depth, reads)
+    out = logits.clone()
+    for b, (length, sizes) in enumerate(zip(processing.length.tolist(), size.tolist())):
+        for j, n in enumerate(sizes if length else ()):
+            out[b, j] = processing.custom(ext[b, j, :n][None], logits[b, j][None])[0]
+    return out
+
+
+def _prefixes(processing: Processing, tokens: Tensor, depth: Tensor, reads: Tensor) -> tuple[Tensor, Tensor]:
+    """Each row's prefix: (ext [B, N, W + N + 1], whose row j holds in its first size[b, j] columns the
+    history, then the drafts on the way to j in depth order; size [B, N])."""
+    history, length = processing.history, processing.length
+    B, N = tokens.shape
+    W = history.shape[1]
+    # Draft i goes to column length + depth_i - 1 where row j reads it (x_n, depth 0, is the
+    # history's last token); the rest goes to a spare last column.
+    ext = torch.cat([history, history.new_zeros(B, N + 1)], 1)[:, None, :].expand(B, N, W + N + 1)
+    at = torch.where(reads & (depth[:, None, :] > 0), length[:, None, None] + depth[:, None, :] - 1, W + N)
+    ext = ext.scatter(2, at, tokens[:, None, :].expand(B, N, N))
+    return ext, length[:, None] + depth
 
 
 def _repeating(processing: Processing, vocab: int, tokens: Tensor, depth: Tensor, reads: Tensor) -> Tensor:
@@ -108,15 +144,9 @@ def _repeating(processing: Processing, vocab: int, tokens: Tensor, depth: Tensor
     drafts on the way to j in depth order), an n-gram already in that prefix. transformers'
     NoRepeatNGramLogitsProcessor: the last n-1 tokens matched against every window of the prefix,
     a matching window banning the token after it; nothing under n tokens."""
-    n, history, length = processing.ngram, processing.history, processing.length
+    n = processing.ngram
     B, N = tokens.shape
-    W = history.shape[1]
-    # Row j's prefix in columns: the history, then draft i at length + depth_i - 1 where j reads it
-    # (x_n, depth 0, is the history's last token); the rest goes to a spare last column.
-    ext = torch.cat([history, history.new_zeros(B, N + 1)], 1)[:, None, :].expand(B, N, W + N + 1)
-    at = torch.where(reads & (depth[:, None, :] > 0), length[:, None, None] + depth[:, None, :] - 1, W + N)
-    ext = ext.scatter(2, at, tokens[:, None, :].expand(B, N, N))
-    size = length[:, None] + depth  # [B, N] each row's prefix length
+    ext, size = _prefixes(processing, tokens, depth, reads)
     windows = ext.unfold(2, n, 1)  # [B, N, S, n]
     start = torch.arange(windows.shape[2], device=tokens.device)
     suffix = ext.gather(2, (size[..., None] - (n - 1) + torch.arange(n - 1, device=tokens.device)).clamp(min=0))
@@ -143,4 +173,4 @@ def after_emitting(processing: Processing | None, y: Tensor, emitting: Tensor) -
         took = emitting.gather(1, col.clamp(0, T - 1)) & inside
         history = torch.where(took, y.gather(1, col.clamp(0, T - 1)), history)
         length = length + emitting.sum(1)
-    return Processing(processing.min_new, processing.eos, processing.penalty, seen, processing.ngram, history, length)
+    return processing._replace(seen=seen, history=history, length=length)
