@@ -2,7 +2,8 @@
 the call decodes with the steps uncompiled until their compile lands, then switches between rounds.
 Greedy tokens equal plain greedy decoding's through a switch forced mid-generation (chain apart and
 fused, tree, parallel and block rounds); the sampled distribution across the switch passes the
-chi-square test of tests/test_sampling.py; the worker's order, context and shutdown; bad options."""
+chi-square test of tests/test_sampling.py; the worker's order, context and shutdown; a step
+waiting out torch.fx's process-wide patch; bad options."""
 
 from __future__ import annotations
 
@@ -122,6 +123,32 @@ def test_stop_drops_the_queued_jobs_and_waits_for_the_running_one():
     threading.Timer(0.2, release.set).start()
     worker.stop()
     assert running.done() and queued.cancelled()
+
+
+def test_an_uncompiled_step_waits_out_a_tracer_on_another_thread():
+    """torch.fx patches nn.Module.__call__ for the whole process while it traces: a module called
+    meanwhile on another thread is refused; `background.uncompiled` runs the step once the worker's
+    trace is done."""
+    inside, release = threading.Event(), threading.Event()
+
+    class Blocking(torch.nn.Module):  # traced on the worker, as a compile traces a step
+        def forward(self, x):
+            inside.set()
+            release.wait(60)
+            return x + 1
+
+    tracing = background.worker.submit(lambda: torch.fx.symbolic_trace(Blocking()), 0)
+    inside.wait(60)
+    layer = torch.nn.Linear(3, 3)
+    x = torch.ones(1, 3)
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x, layer.weight, layer.bias) * 2
+        with pytest.raises(NameError, match="not installed as a submodule"):
+            layer(x)  # what an uncompiled step meets while the tracer is patched in
+        threading.Timer(0.2, release.set).start()
+        got = background.uncompiled(lambda x: layer(x) * 2, (x,))
+    tracing.result(60)
+    torch.testing.assert_close(got, want)
 
 
 def test_bad_background_options_are_named(target):

@@ -12,7 +12,12 @@ and context variables (torch's config patches), as the compile on the calling th
 
 torch's ops release the GIL and take it back, so while the worker traces, every op of the decoding
 thread would wait for the worker's turn to end (CPython's switch interval, 5 ms): the interval is cut
-while a job runs. A process that exits drops the jobs not started and waits for
+while a job runs. torch.fx's tracers patch `torch.nn.Module.__call__` for the whole process while
+they trace, and a module the decoding thread calls meanwhile goes through the tracer, which refuses
+a module outside its root (a NameError): while a job runs, `uncompiled` runs a step once no tracer
+is patched in, and again from the start if one was patched in during it. A step is a function of its inputs, and writes
+the models' caches at positions they give (the in-place round writes its state last), so running it
+again writes what the first run wrote. A process that exits drops the jobs not started and waits for
 the one running.
 """
 
@@ -26,6 +31,7 @@ import heapq
 import itertools
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -99,6 +105,10 @@ class Worker:
             future.cancel()
         self.wait()
 
+    def busy(self) -> bool:
+        with self._ready:
+            return bool(self._running)
+
     def _serve(self) -> None:
         while True:
             with self._ready:
@@ -123,10 +133,27 @@ def _as_caller(job: Callable[[], Any]) -> Callable[[], Any]:
     device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def run() -> Any:
-        with torch.set_grad_enabled(grad), torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        on_device = torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+        with torch.set_grad_enabled(grad), on_device:
             return context.run(job)
 
     return run
 
 
 worker = Worker()  # one per process: the compiles share Dynamo, and its compile lock
+
+_MODULE_CALL = torch.nn.Module.__call__  # what torch.fx's tracers patch over while they trace
+ATTEMPTS = 1000
+
+
+def uncompiled(fn: Callable, args: tuple) -> Any:
+    """fn(*args) on the decoding thread while the worker may trace (see the module's docstring). A
+    patch that outlives the worker's jobs is not a trace of theirs: it is not waited for."""
+    for attempt in range(ATTEMPTS):
+        while torch.nn.Module.__call__ is not _MODULE_CALL and worker.busy():
+            time.sleep(1e-4)
+        try:
+            return fn(*args)
+        except NameError as exc:  # the tracer's refusal of a module outside its root
+            if "not installed as a submodule" not in str(exc) or attempt == ATTEMPTS - 1:
+                raise

@@ -248,7 +248,8 @@ class Decoder:
         # Prompt lengths vary: one graph with a symbolic length, no CUDA graphs (one would be
         # recorded per length, for one call of large kernels per generate).
         # A shape whose prefill does not read K (the chain's) compiles it once for every K.
-        shared = not spec.prefill_reads_k and next((b for b in self._bound.values() if b.spec.shape is spec.shape), None)
+        shared = not spec.prefill_reads_k and next((b for b in self._bound.values() if b.spec.shape is spec.shape),
+                                                   None)
         hidden_kind = None if spec.shape is PLAIN else self._hidden_kind
         prefill = shared.prefill if shared else self._wrap_prefill(functools.partial(
             prefill_step, self.target, hidden_kind, spec.prefill_catch_up(self.drafter, sampled)), "prefill")

@@ -105,7 +105,7 @@ class SavedStep:
         if self.last is None and self.pending is None:
             self.last = self._load_or_compile(args)
         if self.last is None:  # compiling on the worker, or (torch cannot save it) under torch.compile
-            return self.fn(*args) if self.unsaved is None else self.unsaved(*args)
+            return background.uncompiled(self.fn, args) if self.unsaved is None else self.unsaved(*args)
         return self.last.fn(*call)
 
     def _landed(self, compiled: Any) -> None:
