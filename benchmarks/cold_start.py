@@ -47,11 +47,8 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import resource
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from benchmarks import harness
@@ -107,27 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m benchmarks.cold_start", *argv])
     rows, save = [], harness.saver(args.out)
     for compiler in args.compilers:
-        for row in in_fresh_processes(argv, compiler, runs=2 if args.warm else 1):
+        for row in harness.in_fresh_processes("benchmarks.cold_start", argv, compiler, runs=2 if args.warm else 1):
             rows.append({**row, "command": command})
             save(rows)
     print(table(rows))
     return 0
-
-
-def in_fresh_processes(argv: list[str], compiler: str, runs: int) -> list[dict]:
-    """One compiler's rows, each measured in a new process; the first with empty caches (a first run's),
-    the next with the caches the ones before left (variant "<compiler>, warm")."""
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="cold_start_") as cache:
-        # specpass's compile cache follows torch's directory unless told otherwise
-        env = {key: value for key, value in os.environ.items() if key != "SPECPASS_CACHE_DIR"}
-        env["TORCHINDUCTOR_CACHE_DIR"] = cache
-        for run in range(runs):
-            done = subprocess.run([sys.executable, "-m", "benchmarks.cold_start", *argv, "--child", compiler],
-                                  cwd=harness.ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
-            row = json.loads(done.stdout.strip().splitlines()[-1])
-            rows.append({**row, "variant": compiler if run == 0 else f"{compiler}, warm"})
-    return rows
 
 
 def first_and_second_call(args: argparse.Namespace, compiler: str) -> dict:

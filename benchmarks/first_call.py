@@ -21,11 +21,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -68,12 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m benchmarks.first_call", *(f'"{a}"' if " " in a else a for a in argv)])
     rows, save = [], harness.saver(args.out)
     for variant in args.variants:
-        with tempfile.TemporaryDirectory(prefix="first_call_") as cache:
-            env = {key: value for key, value in os.environ.items() if key != "SPECPASS_CACHE_DIR"}
-            env |= {"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-            done = subprocess.run([sys.executable, "-m", "benchmarks.first_call", *argv, "--child", variant],
-                                  cwd=harness.ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
-        rows.append({**json.loads(done.stdout.strip().splitlines()[-1]), "command": command})
+        [row] = harness.in_fresh_processes("benchmarks.first_call", argv, variant)
+        rows.append({**row, "command": command})
         save(rows)
     print(table(rows))
     return 0

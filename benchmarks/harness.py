@@ -24,8 +24,11 @@ import gc
 import importlib.metadata
 import itertools
 import json
+import os
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -99,6 +102,23 @@ class Row:
     def asdict(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "env"}
         return {**self.env, **fields}
+
+
+def in_fresh_processes(module: str, argv: list[str], variant: str, runs: int = 1) -> list[dict]:
+    """`python -m module *argv --child variant`, each run in a new process that prints its JSON row last;
+    the first with empty Inductor, Triton and specpass caches (a user's first run), the next with the
+    caches the ones before left (variant "<variant>, warm")."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fresh_caches_") as cache:
+        # specpass's compile cache follows torch's directory unless told otherwise
+        env = {key: value for key, value in os.environ.items() if key != "SPECPASS_CACHE_DIR"}
+        env |= {"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+        for run in range(runs):
+            done = subprocess.run([sys.executable, "-m", module, *argv, "--child", variant], cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, text=True, check=True)
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            rows.append({**row, "variant": variant if run == 0 else f"{variant}, warm"})
+    return rows
 
 
 def saver(path: Path | None, indent: int = 1) -> Callable[[Any], None]:
